@@ -1,0 +1,39 @@
+"""Packaged prompt sets for benchmarks: small, deterministic subsets of public data.
+
+Provenance and the script that regenerates each file: data/README.md in the repository.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+SHAREGPT_FILE = "sharegpt_first_turns.jsonl"
+
+
+def _packaged(name: str) -> Path:
+    # Package data sits beside this module, so this works for editable and normal installs.
+    return Path(str(resources.files(__package__).joinpath("data", name)))
+
+
+def load_sharegpt_prompts(n: int | None = None, path: str | Path | None = None) -> list[dict]:
+    """First-turn ShareGPT prompts, in file order: dicts with ``id``, ``prompt``, ``reference``.
+
+    ``reference`` is the ChatGPT reply from the same conversation. ``n`` takes the first n
+    records (all 500 when None); asking for more than the file holds is an error rather than
+    a silently shorter list. ``path`` reads another file of the same format instead of the
+    packaged one.
+    """
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    src = Path(path) if path is not None else _packaged(SHAREGPT_FILE)
+    rows: list[dict] = []
+    with open(src, encoding="utf-8") as f:
+        for line in f:
+            if n is not None and len(rows) == n:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    if n is not None and len(rows) < n:
+        raise ValueError(f"{src} holds {len(rows)} records, {n} requested")
+    return rows

@@ -1,0 +1,44 @@
+"""The packaged ShareGPT prompt subset loads deterministically and whole."""
+import json
+
+import pytest
+
+from entropic.bench.datasets import load_sharegpt_prompts
+
+
+def test_returns_n_records_with_nonempty_prompts():
+    rows = load_sharegpt_prompts(32)
+    assert len(rows) == 32
+    for r in rows:
+        assert set(r) == {"id", "prompt", "reference"}
+        assert r["prompt"].strip() and r["reference"].strip()
+        assert 16 <= len(r["prompt"]) <= 4000
+
+
+def test_order_is_deterministic_and_prefix_stable():
+    a = load_sharegpt_prompts(50)
+    b = load_sharegpt_prompts(50)
+    assert a == b
+    assert load_sharegpt_prompts(10) == a[:10]
+
+
+def test_all_records_unique():
+    rows = load_sharegpt_prompts()
+    assert len(rows) == 500
+    assert len({r["id"] for r in rows}) == 500
+    assert len({r["prompt"] for r in rows}) == 500
+
+
+def test_too_many_or_negative_is_an_error():
+    with pytest.raises(ValueError):
+        load_sharegpt_prompts(501)
+    with pytest.raises(ValueError):
+        load_sharegpt_prompts(-1)
+
+
+def test_explicit_path(tmp_path):
+    p = tmp_path / "p.jsonl"
+    recs = [{"id": str(i), "prompt": f"prompt {i}", "reference": "r"} for i in range(3)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert load_sharegpt_prompts(path=p) == recs
+    assert load_sharegpt_prompts(2, path=str(p)) == recs[:2]
