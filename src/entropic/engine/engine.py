@@ -1,0 +1,185 @@
+"""The engine loop: one step is schedule(), execute(), update()."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from entropic.config import EngineConfig, ModelConfig
+from entropic.engine.block_pool import BlockPool
+from entropic.engine.detokenizer import IncrementalDetokenizer
+from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.model_runner import ModelOutput, ModelRunner
+from entropic.engine.policy import SchedulingPolicy
+from entropic.engine.request import Request, RequestStatus
+from entropic.engine.scheduler import Scheduler, SchedulerOutput
+from entropic.model.llama import LlamaModel
+from entropic.outputs import RequestOutput
+from entropic.sampling.sampler import LogitsProcessor, Sampler
+from entropic.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    computed_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Hooks (all default to a plain engine): `policy` orders queues and picks preemption
+    victims; `processors` are sampler-chain elements.
+    """
+
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
+                 policy: SchedulingPolicy | None = None,
+                 processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.model = model
+        self.model_config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.config = config
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        self.num_blocks = config.resolve_num_blocks(mc, model.dtype)
+        self.pool = BlockPool(self.num_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, mc.eos_token_ids, policy)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(processors))
+        self.stats = EngineStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+
+    # ---- requests ---------------------------------------------------------------------
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Check a request before it enters the engine; return its prompt token ids."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt: token id {t!r} is not an integer in [0, {vocab})")
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must not be empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens does not fit the context length "
+                             f"{self.max_model_len} (at least one token must be generated)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(ids) + params.max_tokens} exceeds the context length {self.max_model_len}")
+        need = self.kv.blocks_needed(len(ids) + params.max_tokens)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"max_tokens: the request may need {need} KV blocks but the whole cache has "
+                f"{self.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_gib")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        ids = self.validate(prompt, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        now = time.perf_counter() if arrival_time is None else arrival_time
+        req = Request(request_id, ids, params, now, prompt if isinstance(prompt, str) else None)
+        self.scheduler.add(req)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, ids, params.skip_special_tokens, params.stop,
+            params.include_stop_str_in_output)
+        self.stats.prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort at any time; the request's blocks return to the pool."""
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        self.stats.aborted += 1
+        req.metrics.finished_time = time.perf_counter()
+        det = self._detok.pop(request_id)
+        return self._output(req, det, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output for every request that got a token."""
+        sched: SchedulerOutput = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.execute(sched)  # still releases finished requests' sampler state
+            return []
+        now = time.perf_counter()
+        for c in sched.chunks:
+            m = self.scheduler.requests[c.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        result: ModelOutput = self.runner.execute(sched)
+        done = time.perf_counter()
+        touched = self.scheduler.update(sched, result.sampled, done)
+        self.stats.steps += 1
+        self.stats.computed_tokens += result.num_tokens
+        self.stats.preemptions = self.scheduler.num_preemptions
+        outputs = []
+        for req in touched:
+            self.stats.generated_tokens += 1
+            det = self._detok[req.request_id]
+            new = req.token_ids[-1:]
+            delta, stop_str = det.add(new)
+            if stop_str is not None and not req.status.finished:
+                req.stop_reason = stop_str
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:
+                req.metrics.finished_time = done
+                self.stats.finished += 1
+                del self._detok[req.request_id]
+            outputs.append(self._output(req, det, new, delta))
+        return outputs
+
+    def _output(self, req: Request, det: IncrementalDetokenizer, new: list[int],
+                delta: str) -> RequestOutput:
+        finished = req.status.finished
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=det.text,
+            token_ids=req.output_token_ids,
+            entropies=list(req.entropies),
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            finished=finished,
+            text_delta=delta,
+            new_token_ids=list(new),
+            metrics=req.metrics,
+        )
+
+    @torch.inference_mode()
+    def run_until_done(self) -> list[RequestOutput]:
+        """Step until no request is left; return the final output of each."""
+        finals = []
+        while self.has_unfinished_requests():
+            finals.extend(o for o in self.step() if o.finished)
+        return finals

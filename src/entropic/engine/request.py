@@ -1,0 +1,68 @@
+"""Engine-side state of one request."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from entropic.outputs import RequestMetrics, TokenLogprob
+from entropic.sampling_params import SamplingParams
+
+_seq = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """Token ids (prompt then output), how many of them have KV computed, and results.
+
+    There are no prefill/decode phases: each step the scheduler grants
+    `num_tokens - num_computed_tokens` (or fewer) tokens, and the request samples a new
+    token whenever its computed tokens reach its total.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, prompt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.seq_no = next(_seq)  # tie-break for equal arrival times
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.entropies: list[float] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

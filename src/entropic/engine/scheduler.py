@@ -1,0 +1,210 @@
+"""Continuous-batching scheduler: who computes how many tokens this step.
+
+No prefill/decode phases: each request has `num_computed_tokens` against its `num_tokens`,
+and a step grants tokens under a budget (`max_num_batched_tokens`), so chunked prefill and
+mixed prefill/decode batches come for free. The scheduler never touches tensors; it emits a
+`SchedulerOutput` that the model runner turns into tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
+from entropic.engine.request import Request, RequestStatus
+from entropic.outputs import TokenLogprob
+from entropic.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: compute KV for `token_ids` at `start_pos`..."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
+    params: SamplingParams
+    num_output_tokens: int  # output tokens before this step's sample (for seeded sampling)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan of one step."""
+
+    step: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    """What the runner produced for one sampling row."""
+
+    token_id: int
+    entropy: float
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    """Owns the waiting and running sets and the KV manager's allocations."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Sequence[int] = (),
+                 policy: SchedulingPolicy | None = None) -> None:
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy: SchedulingPolicy = policy or FCFSPolicy()
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+        self._finished_since_step: list[str] = []
+
+    # ---- queue operations -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request at any time; its blocks go back to the pool."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(request_id)
+        self._finished_since_step.append(request_id)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        out = SchedulerOutput(step=self.step_count, finished_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.max_num_batched_tokens
+        granted: list[tuple[Request, int]] = []
+        queue = self.policy.order_running(self.running, self.step_count)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            # Free blocks by preempting the least valuable not-yet-served request (maybe req).
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.policy.choose_victim(queue + [req], self.step_count)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                queue.remove(victim)
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            granted.append((req, n))
+            budget -= n
+        if not out.preempted_ids:  # memory is tight when we just preempted: admit nobody
+            for req in self.policy.order_waiting(self.waiting, self.step_count):
+                if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                    break
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                granted.append((req, n))
+                budget -= n
+        for req, n in granted:
+            start = req.num_computed_tokens
+            out.chunks.append(ScheduledChunk(
+                request_id=req.request_id,
+                token_ids=req.token_ids[start:start + n],
+                start_pos=start,
+                block_table=list(self.kv.block_table(req.request_id)),
+                sample=start + n == req.num_tokens,
+                params=req.params,
+                num_output_tokens=req.num_output_tokens,
+            ))
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Preemption by recompute: drop the KV, keep the tokens, requeue."""
+        self.kv.free(req.request_id)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.waiting.append(req)
+        self.num_preemptions += 1
+        out.preempted_ids.append(req.request_id)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
+               now: float) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply token-level stops.
+
+        Returns the requests that received a token this step (finished ones included)."""
+        touched: list[Request] = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            s = sampled[chunk.request_id]
+            self._append(req, s, now)
+            touched.append(req)
+            status = self._check_stop(req, s.token_id)
+            if status is not None:
+                self.finish(req.request_id, status)
+        return touched
+
+    @staticmethod
+    def _append(req: Request, s: SampledToken, now: float) -> None:
+        req.token_ids.append(s.token_id)
+        req.entropies.append(s.entropy)
+        if req.logprobs is not None:
+            req.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top_logprobs or {}))
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.token_times.append(now)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

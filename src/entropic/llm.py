@@ -1,0 +1,144 @@
+"""The public face: `LLM` wires a checkpoint, the engine and its hooks together."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from entropic.config import EngineConfig, resolve_dtype
+from entropic.engine.engine import LLMEngine
+from entropic.engine.policy import SchedulingPolicy
+from entropic.model.llama import LlamaModel
+from entropic.model.loader import load_checkpoint
+from entropic.outputs import RequestOutput
+from entropic.sampling.sampler import LogitsProcessor
+from entropic.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Conversation = list[dict]
+
+
+class LLM:
+    """An offline engine: `LLM().generate(prompts, SamplingParams(...))`.
+
+    `model` is a local GGUF file, a Hugging Face directory (config.json + safetensors), or
+    None for the embedded SmolLM2-135M-Instruct. Weights are bf16 by default; `dtype="float32"`
+    gives full precision. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
+                 device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
+                 kv_cache_gib: float = 1.0, max_model_len: int | None = None,
+                 seed: int | None = None, progress: bool = False,
+                 policy: SchedulingPolicy | None = None,
+                 processors: Sequence[LogitsProcessor] = ()) -> None:
+        config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
+                              max_model_len=max_model_len)
+        torch_dtype = resolve_dtype(dtype)
+        if seed is not None:
+            torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(model, progress=progress)
+        net = LlamaModel(ckpt.config, ckpt.tensors, torch_dtype, device)
+        del ckpt.tensors
+        self.source = ckpt.source
+        self.tokenizer = ckpt.tokenizer
+        self.engine = LLMEngine(net, self.tokenizer, config, policy, processors)
+        self.load_seconds = time.perf_counter() - t0
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- batch API -------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = self._params_list(params, len(prompts))
+        return self._run(prompts, plist, use_tqdm)
+
+    def chat(self, conversations: Conversation | Sequence[Conversation],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        return self._run(prompts, self._params_list(params, len(prompts)), use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield an output (with `text_delta`) each time the request gets a token.
+
+        Other requests already in the engine keep running alongside. Closing the
+        generator early aborts the request and frees its blocks."""
+        params = params or SamplingParams()
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+
+    # ---- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        plist = list(params)
+        if len(plist) != n:
+            raise ValueError(f"params: got {len(plist)} SamplingParams for {n} prompts")
+        return plist
+
+    def _run(self, prompts: list[Prompt], plist: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
+        for i, (p, sp) in enumerate(zip(prompts, plist)):  # validate all before adding any
+            try:
+                eng.validate(p, sp)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        now = time.perf_counter()
+        for rid, p, sp in zip(ids, prompts, plist):
+            eng.add_request(rid, p, sp, arrival_time=now)
+        wanted = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while len(results) < len(ids):
+                for out in eng.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,142 @@
+"""Batched sampler: entropy, logprobs, temperature, top-k, top-p, min-p, seeded sampling.
+
+Order of operations on one step's logits [S, V] (fp32):
+1. the model distribution p = softmax(logits) (temperature 1, before any truncation) gives
+   each row's exact entropy and the returned logprobs;
+2. processors (a chain of `LogitsProcessor`s, e.g. a temperature controller) may rewrite
+   logits and per-row temperatures;
+3. temperature, then top-k, top-p, min-p truncate the tempered distribution;
+4. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
+   cumsum, and with a per-request generator the draw depends only on that request's seed.
+Greedy rows (temperature 0) take argmax of the raw logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from entropic.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step, built by the runner."""
+
+    request_ids: list[str]
+    params: list[SamplingParams]
+    num_output_tokens: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] long
+    entropies: torch.Tensor  # [S] fp32, nats, of the temperature-1 model distribution
+    logprobs: torch.Tensor | None  # [S] logprob of the chosen token (if any row asked)
+    top_ids: torch.Tensor | None  # [S, n]
+    top_logprobs: torch.Tensor | None  # [S, n]
+
+
+class LogitsProcessor(Protocol):
+    """A sampler-chain element. `apply` transforms logits and/or temperatures of the rows
+    it manages; `accept` observes the sampled tokens. It may keep per-request state."""
+
+    def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
+              batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def accept(self, token_ids: torch.Tensor, batch: SamplingBatch) -> None: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Exact entropy H = -sum p log p (nats) of softmax(logits) per row; 0 * log 0 = 0."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.special.entr(logp.exp()).sum(-1)
+
+
+class Sampler:
+    """Samples one token per row. Holds the per-request generators of seeded requests."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.processors = list(processors)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget the state of finished requests."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+        for p in self.processors:
+            p.release(request_ids)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if not torch.isfinite(logits).any(dim=-1).all() or torch.isnan(logits).any():
+            raise FloatingPointError("sampler: logits contain NaN or a row with no finite value")
+        S, V = logits.shape
+        dev = logits.device
+        logp = torch.log_softmax(logits, dim=-1)
+        entropies = torch.special.entr(logp.exp()).sum(-1)
+        params = batch.params
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        for proc in self.processors:
+            logits, temps = proc.apply(logits, temps, batch)
+
+        greedy = temps == 0
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, temps, batch))
+        for proc in self.processors:
+            proc.accept(tokens, batch)
+
+        n_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        chosen = top_ids = top_lp = None
+        if n_top is not None:
+            chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+            if n_top > 0:
+                top_lp, top_ids = logp.topk(n_top, dim=-1)
+        return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp)
+
+    def _sample(self, logits: torch.Tensor, temps: torch.Tensor,
+                batch: SamplingBatch) -> torch.Tensor:
+        params = batch.params
+        safe_t = torch.where(temps > 0, temps, torch.ones_like(temps))
+        x = logits / safe_t[:, None]
+        top_ks = [p.top_k for p in params]
+        if any(k > 0 for k in top_ks):
+            V = x.shape[-1]
+            ks = torch.tensor([k if 0 < k < V else V for k in top_ks], device=x.device)
+            kth = x.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        top_ps = [p.top_p for p in params]
+        if any(tp < 1.0 for tp in top_ps):
+            tp = torch.tensor(top_ps, dtype=probs.dtype, device=x.device)
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            # drop a token when the mass strictly before it already reaches top_p
+            drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= tp[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_ps = [p.min_p for p in params]
+        if any(mp > 0 for mp in min_ps):
+            mp = torch.tensor(min_ps, dtype=probs.dtype, device=x.device)
+            probs = probs.masked_fill(probs < mp[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        noise = self._exponential_noise(probs.shape, batch, probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, shape: torch.Size, batch: SamplingBatch,
+                           device: torch.device) -> torch.Tensor:
+        noise = torch.empty(shape, device=device)
+        seeded = [i for i, p in enumerate(batch.params) if p.seed is not None]
+        if len(seeded) < shape[0]:
+            noise.exponential_()
+        for i in seeded:
+            rid = batch.request_ids[i]
+            gen = self._generators.get(rid)
+            if gen is None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(batch.params[i].seed)
+                self._generators[rid] = gen
+            noise[i].exponential_(generator=gen)
+        # a zero draw would turn 0/0 into NaN, which argmax would pick
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters (vLLM-shaped), validated at construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    those filters. `seed` makes sampling reproducible whatever else runs in the batch.
+    `logprobs=n` returns the chosen token's log-probability and the n most likely
+    alternatives at every step (under the model's temperature-1 distribution).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_num("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_num("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= 20:
+                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def _check_num(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
