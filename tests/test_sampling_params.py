@@ -1,0 +1,36 @@
+import pytest
+
+from entropic.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"top_k": -5}, "top_k"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_bad_values_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"seed": 1.0}, "seed"),
+])
+def test_wrong_types_name_the_field(kw, field):
+    with pytest.raises(TypeError, match=field):
+        SamplingParams(**kw)
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams(stop="###", top_k=-1, temperature=0)
+    assert p.stop == ["###"] and p.top_k == 0 and p.greedy
