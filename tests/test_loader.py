@@ -157,9 +157,20 @@ def test_hf_dir_unsupported_architecture(tmp_path):
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 128, 2
 HEAD_DIM = HIDDEN // HEADS
-# llama.cpp's quantizer needs rows that are whole blocks (32 for Q8_0); all these are.
-TYPES = {"attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.Q8_0, "attn_output": Q.F32,
-         "ffn_gate": Q.Q8_0, "ffn_up": Q.F16, "ffn_down": Q.BF16}
+Q_DIM, KV_DIM = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+# GGUF stem -> (HF module, shape, stored type). Rows are whole Q8_0 blocks (32) everywhere.
+LAYER = {
+    "attn_q": ("self_attn.q_proj", (Q_DIM, HIDDEN), Q.F16),
+    "attn_k": ("self_attn.k_proj", (KV_DIM, HIDDEN), Q.BF16),
+    "attn_v": ("self_attn.v_proj", (KV_DIM, HIDDEN), Q.Q8_0),
+    "attn_output": ("self_attn.o_proj", (HIDDEN, Q_DIM), Q.F32),
+    "ffn_gate": ("mlp.gate_proj", (FFN, HIDDEN), Q.Q8_0),
+    "ffn_up": ("mlp.up_proj", (FFN, HIDDEN), Q.F16),
+    "ffn_down": ("mlp.down_proj", (HIDDEN, FFN), Q.BF16),
+    "attn_norm": ("input_layernorm", (HIDDEN,), Q.F32),
+    "ffn_norm": ("post_attention_layernorm", (HIDDEN,), Q.F32),
+}
+BIASES = {"attn_q": (Q_DIM,), "attn_k": (KV_DIM,), "attn_v": (KV_DIM,)}
 TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1e-2}
 
 
@@ -172,10 +183,21 @@ def _gpt2_tokens() -> list[str]:
     return [char[b] for b in range(256)] + ["he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=False, types=TYPES):
-    """A 2-layer model; returns the HF-layout float32 weights it should load back as."""
+def _add_tokenizer(w: GGUFWriter) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(_gpt2_tokens())
+    w.add_token_types([1] * 257 + [3] * 3)  # 3: control (special) tokens
+    w.add_token_merges(["h e"])
+    w.add_add_bos_token(False)
+    w.add_bos_token_id(258)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+
+
+def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=False) -> dict:
+    """A 2-layer model; returns {hf name: (exact expected tensor, unquantized original, type)}."""
     rng = np.random.default_rng(0)
-    vocab = 260 if tokenizer else 96
     w = GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
@@ -187,15 +209,7 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
     w.add_layer_norm_rms_eps(1e-6)
     w.add_eos_token_id(259)
     if tokenizer:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(_gpt2_tokens())
-        w.add_token_types([1] * 257 + [3] * 3)  # 3: control (special) tokens
-        w.add_token_merges(["h e"])
-        w.add_add_bos_token(False)
-        w.add_bos_token_id(258)
-        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                            "<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}")
+        _add_tokenizer(w)
     expected = {}
 
     def put(gguf_name, hf_name, shape, qtype=Q.F32, permute_heads=0):
@@ -206,31 +220,20 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
         data = quantize(stored, qtype)
         if gguf_name not in drop:
             w.add_tensor(gguf_name, data, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
-        exact = dequantize(data, qtype).reshape(shape)  # what any correct reader must return
+        exact = torch.from_numpy(dequantize(data, qtype).reshape(shape).astype(np.float32))
         if permute_heads:
-            exact = unpermute_rope(torch.from_numpy(exact.copy()), permute_heads).numpy()
-        expected[hf_name] = (torch.from_numpy(np.ascontiguousarray(exact, np.float32)), x, qtype)
+            exact = unpermute_rope(exact, permute_heads)
+        expected[hf_name] = (exact, x, qtype)  # `exact`: what any correct reader must return
 
-    put("token_embd.weight", "model.embed_tokens.weight", (vocab, HIDDEN), Q.Q8_0)
+    put("token_embd.weight", "model.embed_tokens.weight", (260 if tokenizer else 96, HIDDEN), Q.Q8_0)
     put("output_norm.weight", "model.norm.weight", (HIDDEN,))
-    llama = arch == "llama"
+    heads = {"attn_q": HEADS, "attn_k": KV_HEADS} if arch == "llama" else {}
     for i in range(LAYERS):
-        b, p = f"blk.{i}.", f"model.layers.{i}."
-        put(b + "attn_q.weight", p + "self_attn.q_proj.weight", (HEADS * HEAD_DIM, HIDDEN),
-            types["attn_q"], HEADS if llama else 0)
-        put(b + "attn_k.weight", p + "self_attn.k_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN),
-            types["attn_k"], KV_HEADS if llama else 0)
-        put(b + "attn_v.weight", p + "self_attn.v_proj.weight", (KV_HEADS * HEAD_DIM, HIDDEN), types["attn_v"])
-        put(b + "attn_output.weight", p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN), types["attn_output"])
-        put(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", (FFN, HIDDEN), types["ffn_gate"])
-        put(b + "ffn_up.weight", p + "mlp.up_proj.weight", (FFN, HIDDEN), types["ffn_up"])
-        put(b + "ffn_down.weight", p + "mlp.down_proj.weight", (HIDDEN, FFN), types["ffn_down"])
-        put(b + "attn_norm.weight", p + "input_layernorm.weight", (HIDDEN,))
-        put(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", (HIDDEN,))
-        if arch == "qwen2":
-            put(b + "attn_q.bias", p + "self_attn.q_proj.bias", (HEADS * HEAD_DIM,))
-            put(b + "attn_k.bias", p + "self_attn.k_proj.bias", (KV_HEADS * HEAD_DIM,))
-            put(b + "attn_v.bias", p + "self_attn.v_proj.bias", (KV_HEADS * HEAD_DIM,))
+        for stem, (module, shape, qtype) in LAYER.items():
+            put(f"blk.{i}.{stem}.weight", f"model.layers.{i}.{module}.weight", shape, qtype,
+                heads.get(stem, 0))
+            if arch == "qwen2" and stem in BIASES:
+                put(f"blk.{i}.{stem}.bias", f"model.layers.{i}.{module}.bias", BIASES[stem])
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", np.ones(HEAD_DIM // 2, np.float32))
     _finish(w)
@@ -250,7 +253,8 @@ def test_synthetic_gguf_values(tmp_path, arch):
     expected = write_tiny_gguf(path, arch)
     config, tensors = read_gguf_tensors(path, progress=True)
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (2, 64, 4, 2)
-    assert (config.head_dim, config.intermediate_size, config.vocab_size, config.max_position) == (16, 128, 96, 256)
+    assert (config.head_dim, config.intermediate_size) == (16, 128)
+    assert (config.vocab_size, config.max_position) == (96, 256)
     assert config.rope_theta == 5e4 and config.tie_word_embeddings and config.eos_token_ids == (259,)
     assert config.attention_bias == (arch == "qwen2") and config.name == arch
     assert set(tensors) == set(expected)

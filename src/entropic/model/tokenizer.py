@@ -1,0 +1,112 @@
+"""Tokenizer: a thin wrapper over a Hugging Face fast tokenizer, offline only.
+
+transformers is imported lazily: it costs ~2 s and importing the loader should be cheap.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+class Tokenizer:
+    """Encode/decode text and render chat prompts for one model.
+
+    `encode` adds BOS only when the model's tokenizer is configured to (SmolLM2 is not).
+    `eos_token_ids` are the ids that end generation, as the model declares them.
+    """
+
+    def __init__(self, hf_tokenizer, *, eos_token_ids: Sequence[int] = (), source: str = ""):
+        self._tok = hf_tokenizer
+        self.source = source
+        self.vocab_size: int = len(hf_tokenizer)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        ids = list(eos_token_ids)
+        if not ids and hf_tokenizer.eos_token_id is not None:
+            ids = [hf_tokenizer.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
+
+    @classmethod
+    def from_gguf(cls, path: str, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
+        """Build from a GGUF file's embedded vocabulary, merges and chat template."""
+        from transformers import PreTrainedTokenizerFast
+
+        from entropic.model.gguf_loader import read_gguf_metadata
+
+        path = os.path.abspath(os.fspath(path))
+        meta, _ = read_gguf_metadata(path)
+        if "tokenizer.ggml.model" not in meta:
+            raise ValueError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model)")
+        # The fast class directly, not AutoTokenizer: AutoTokenizer first builds a model config
+        # through gguf.GGUFReader, which takes ~3 s on a 49k vocabulary; the result is the same.
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+            )
+        except Exception as e:  # transformers raises many types for an unsupported vocab
+            raise ValueError(f"{path}: cannot build tokenizer from GGUF ({e})") from e
+        if not tok.chat_template and meta.get("tokenizer.chat_template"):
+            tok.chat_template = meta["tokenizer.chat_template"]
+        if eos_token_ids is None:
+            eos = meta.get("tokenizer.ggml.eos_token_id")
+            eos_token_ids = () if eos is None else (int(eos),)
+        return cls(tok, eos_token_ids=eos_token_ids, source=path)
+
+    @classmethod
+    def from_hf_dir(cls, path: str, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
+        """Build from a Hugging Face model directory (tokenizer.json / tokenizer_config.json)."""
+        from transformers import AutoTokenizer
+
+        from entropic.model.hf_loader import eos_ids_from_dir
+
+        path = os.path.abspath(os.fspath(path))
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot load a tokenizer from this directory ({e})") from e
+        if eos_token_ids is None and os.path.isfile(os.path.join(path, "config.json")):
+            eos_token_ids = eos_ids_from_dir(path)
+        return cls(tok, eos_token_ids=eos_token_ids or (), source=path)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS only if the model's tokenizer adds one."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped by default."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of `ids` (byte-level BPE spelling, e.g. 'Ġworld')."""
+        return list(self._tok.convert_ids_to_tokens([int(i) for i in ids]))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's Jinja chat template, or None if it has none."""
+        return self._tok.chat_template or None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat prompt as text. Raises ValueError on a missing template or bad messages."""
+        if not self.chat_template:
+            raise ValueError(f"{self.source or 'tokenizer'}: the model has no chat template")
+        _check_messages(messages)
+        return self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt. The template writes any BOS itself, so none is added."""
+        text = self.render_chat(messages, add_generation_prompt)
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}][{key!r}] must be a str, got {m.get(key)!r}")
