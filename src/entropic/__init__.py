@@ -1,7 +1,7 @@
 """entropic: entropic-time LLM inference (see README.md)."""
-from entropic.sampling_params import SamplingParams
+from entropic.sampling_params import SamplingParams, ThermostatParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "ThermostatParams"]
 __version__ = "0.1.0"
 
 

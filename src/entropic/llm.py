@@ -8,6 +8,8 @@ from typing import Iterator, Sequence
 import torch
 
 from entropic.config import EngineConfig, resolve_dtype
+from entropic.control.clock import EntropicClock
+from entropic.control.thermostat import Thermostat
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
 from entropic.model.llama import LlamaModel
@@ -48,7 +50,12 @@ class LLM:
         del ckpt.tensors
         self.source = ckpt.source
         self.tokenizer = ckpt.tokenizer
-        self.engine = LLMEngine(net, self.tokenizer, config, policy, processors)
+        # Entropic control plugs into the engine's hooks: the thermostat acts only on requests
+        # that ask for it; the clock only measures.
+        self.thermostat = Thermostat()
+        self.clock = EntropicClock()
+        self.engine = LLMEngine(net, self.tokenizer, config, policy,
+                                [self.thermostat, *processors], self.clock)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from entropic.engine.cost import Cost
+
 
 @dataclass
 class TokenLogprob:
@@ -47,12 +49,36 @@ class RequestMetrics:
 
 
 @dataclass
+class EntropicReading:
+    """Entropic time of one request (or the engine) against its cost (SPEC section 2)."""
+
+    tau: float  # sum of positive entropy drops, nats
+    mean_entropy: float
+    tflops: float
+    seconds: float
+
+    @property
+    def tau_per_tflop(self) -> float:
+        return self.tau / self.tflops if self.tflops else 0.0
+
+    @property
+    def tau_per_second(self) -> float:
+        return self.tau / self.seconds if self.seconds else 0.0
+
+    @classmethod
+    def of(cls, tau: float, mean_entropy: float, cost: Cost) -> "EntropicReading":
+        return cls(tau, mean_entropy, cost.flops / 1e12, cost.seconds)
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: complete when `finished` is True.
 
     `text_delta` and `new_token_ids` hold what this step added (for streaming).
     `entropies[i]` is the exact entropy (nats) of the model's temperature-1 next-token
-    distribution from which `token_ids[i]` was drawn.
+    distribution from which `token_ids[i]` was drawn; `temperatures[i]` the temperature it
+    was sampled at (0 for greedy). `cost` is what the request consumed so far; `entropic`
+    its entropic time reading, when the engine runs a clock.
     """
 
     request_id: str
@@ -61,6 +87,7 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None
@@ -68,3 +95,5 @@ class RequestOutput:
     text_delta: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    cost: Cost | None = None
+    entropic: EntropicReading | None = None

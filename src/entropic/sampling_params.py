@@ -5,6 +5,40 @@ import math
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ThermostatParams:
+    """Options of the entropy-stabilising temperature controller (SPEC section 4, micro).
+
+    stabilize (default): T_{t+1} = clip(T_t exp(eta (H* - H_t^T)), t_min, t_max), where
+    H_t^T is the entropy of the tempered distribution actually sampled from.
+    follow: T_{t+1} = clip(T_t exp(eta (H_t - H*)), t_min, t_max), with H_t the model's
+    temperature-1 entropy (raises T where the model is uncertain).
+    Entropies enter floored, max(H, h_min). The request's `temperature` is T_0.
+    """
+
+    target_entropy: float = 2.0
+    eta: float = 0.2
+    t_min: float = 0.2
+    t_max: float = 2.0
+    h_min: float = 0.0
+    mode: str = "stabilize"
+
+    def __post_init__(self) -> None:
+        for name in ("target_entropy", "eta", "t_min", "t_max", "h_min"):
+            _check_num(f"thermostat.{name}", getattr(self, name))
+        if self.target_entropy < 0:
+            raise ValueError(f"thermostat.target_entropy must be >= 0, got {self.target_entropy}")
+        if self.eta <= 0:
+            raise ValueError(f"thermostat.eta must be > 0, got {self.eta}")
+        if not 0 < self.t_min <= self.t_max:
+            raise ValueError(f"thermostat: need 0 < t_min <= t_max, got t_min={self.t_min}, "
+                             f"t_max={self.t_max}")
+        if self.h_min < 0:
+            raise ValueError(f"thermostat.h_min must be >= 0, got {self.h_min}")
+        if self.mode not in ("stabilize", "follow"):
+            raise ValueError(f"thermostat.mode must be 'stabilize' or 'follow', got {self.mode!r}")
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded.
@@ -13,6 +47,8 @@ class SamplingParams:
     those filters. `seed` makes sampling reproducible whatever else runs in the batch.
     `logprobs=n` returns the chosen token's log-probability and the n most likely
     alternatives at every step (under the model's temperature-1 distribution).
+    `thermostat` replaces the fixed temperature by the entropy controller (see
+    ThermostatParams); `temperature` is then its starting value.
     """
 
     max_tokens: int = 16
@@ -27,6 +63,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    thermostat: ThermostatParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +100,14 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+        if self.thermostat is not None:
+            if isinstance(self.thermostat, dict):
+                self.thermostat = ThermostatParams(**self.thermostat)
+            if not isinstance(self.thermostat, ThermostatParams):
+                raise TypeError("thermostat must be ThermostatParams or a dict of its fields")
+            if self.temperature == 0:
+                raise ValueError("temperature: the thermostat needs temperature > 0 (its T_0)")
 
     @property
     def greedy(self) -> bool:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
 
 import torch
 
 from entropic.config import EngineConfig, ModelConfig
 from entropic.engine.block_pool import BlockPool
+from entropic.engine.cost import Cost, CostModel, dense_work
 from entropic.engine.detokenizer import IncrementalDetokenizer
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.model_runner import ModelOutput, ModelRunner
@@ -16,9 +17,23 @@ from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import Scheduler, SchedulerOutput
 from entropic.model.llama import LlamaModel
-from entropic.outputs import RequestOutput
+from entropic.outputs import EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
 from entropic.sampling_params import SamplingParams
+
+
+class TokenObserver(Protocol):
+    """Hook: sees each sampled token's entropy, reports per-request readings.
+
+    The entropic clock (entropic.control.clock.EntropicClock) is one."""
+
+    tau_total: float
+
+    def observe(self, request_id: str, entropy: float) -> float: ...
+
+    def reading(self, request_id: str, cost: Cost) -> EntropicReading | None: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
 
 
 @dataclass
@@ -32,18 +47,29 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
+    cost: Cost = field(default_factory=Cost)
+    tau: float = 0.0  # engine-wide entropic time, when a clock observes the engine
+
+    @property
+    def tau_per_tflop(self) -> float:
+        return self.tau / (self.cost.flops / 1e12) if self.cost.flops else 0.0
+
+    @property
+    def tau_per_second(self) -> float:
+        return self.tau / self.cost.seconds if self.cost.seconds else 0.0
 
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Hooks (all default to a plain engine): `policy` orders queues and picks preemption
-    victims; `processors` are sampler-chain elements.
+    victims; `processors` are sampler-chain elements; `observer` sees every token's entropy.
     """
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
                  policy: SchedulingPolicy | None = None,
-                 processors: Sequence[LogitsProcessor] = ()) -> None:
+                 processors: Sequence[LogitsProcessor] = (),
+                 observer: TokenObserver | None = None) -> None:
         self.model = model
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -57,6 +83,8 @@ class LLMEngine:
                                    self.max_model_len, mc.eos_token_ids, policy)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(processors))
         self.stats = EngineStats()
+        self.observer = observer
+        self.cost_model = CostModel(mc, torch.empty((), dtype=model.dtype).element_size())
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # ---- requests ---------------------------------------------------------------------
@@ -114,7 +142,10 @@ class LLMEngine:
         self.stats.aborted += 1
         req.metrics.finished_time = time.perf_counter()
         det = self._detok.pop(request_id)
-        return self._output(req, det, [], "")
+        out = self._output(req, det, [], "")
+        if self.observer is not None:
+            self.observer.release([request_id])
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -137,13 +168,17 @@ class LLMEngine:
                 m.first_scheduled_time = now
         result: ModelOutput = self.runner.execute(sched)
         done = time.perf_counter()
+        self._account(sched, done - now)
         touched = self.scheduler.update(sched, result.sampled, done)
         self.stats.steps += 1
         self.stats.computed_tokens += result.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
         outputs = []
+        obs = self.observer
         for req in touched:
             self.stats.generated_tokens += 1
+            if obs is not None:
+                obs.observe(req.request_id, req.entropies[-1])
             det = self._detok[req.request_id]
             new = req.token_ids[-1:]
             delta, stop_str = det.add(new)
@@ -155,7 +190,19 @@ class LLMEngine:
                 self.stats.finished += 1
                 del self._detok[req.request_id]
             outputs.append(self._output(req, det, new, delta))
+            if obs is not None and req.status.finished:
+                obs.release([req.request_id])
+        if obs is not None:
+            self.stats.tau = obs.tau_total
         return outputs
+
+    def _account(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Charge each request the cost of what it computed this step (dense attention)."""
+        work = [dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample)
+                for c in sched.chunks]
+        for rid, cost in self.cost_model.step_costs(work, seconds).items():
+            self.scheduler.requests[rid].cost.add(cost)
+            self.stats.cost.add(cost)
 
     def _output(self, req: Request, det: IncrementalDetokenizer, new: list[int],
                 delta: str) -> RequestOutput:
@@ -167,6 +214,7 @@ class LLMEngine:
             text=det.text,
             token_ids=req.output_token_ids,
             entropies=list(req.entropies),
+            temperatures=list(req.temperatures),
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
@@ -174,6 +222,9 @@ class LLMEngine:
             text_delta=delta,
             new_token_ids=list(new),
             metrics=req.metrics,
+            cost=replace(req.cost),
+            entropic=(self.observer.reading(req.request_id, req.cost)
+                      if self.observer is not None else None),
         )
 
     @torch.inference_mode()

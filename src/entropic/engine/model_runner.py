@@ -104,11 +104,12 @@ class ModelRunner:
             s = self.sampler(logits, batch)
             toks = s.token_ids.tolist()
             ents = s.entropies.tolist()
+            temps = s.temperatures.tolist()
             lps = s.logprobs.tolist() if s.logprobs is not None else None
             tids = s.top_ids.tolist() if s.top_ids is not None else None
             tlps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
             for i, c in enumerate(samplers):
-                st = SampledToken(toks[i], ents[i])
+                st = SampledToken(toks[i], ents[i], temps[i])
                 n = c.params.logprobs
                 if n is not None:
                     st.logprob = lps[i]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from entropic.engine.cost import Cost
 from entropic.outputs import RequestMetrics, TokenLogprob
 from entropic.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class Request:
         self.seq_no = next(_seq)  # tie-break for equal arrival times
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.entropies: list[float] = []
+        self.temperatures: list[float] = []
+        self.cost = Cost()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.stop_reason: str | int | None = None
 

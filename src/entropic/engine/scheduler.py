@@ -58,6 +58,7 @@ class SampledToken:
 
     token_id: int
     entropy: float
+    temperature: float = 0.0
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
 
@@ -191,6 +192,7 @@ class Scheduler:
     def _append(req: Request, s: SampledToken, now: float) -> None:
         req.token_ids.append(s.token_id)
         req.entropies.append(s.entropy)
+        req.temperatures.append(s.temperature)
         if req.logprobs is not None:
             req.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top_logprobs or {}))
         if req.metrics.first_token_time is None:

@@ -3,8 +3,8 @@
 Order of operations on one step's logits [S, V] (fp32):
 1. the model distribution p = softmax(logits) (temperature 1, before any truncation) gives
    each row's exact entropy and the returned logprobs;
-2. processors (a chain of `LogitsProcessor`s, e.g. a temperature controller) may rewrite
-   logits and per-row temperatures;
+2. processors (a chain of `LogitsProcessor`s, e.g. the thermostat) may rewrite logits and
+   per-row temperatures; they see the full distribution, before any truncation;
 3. temperature, then top-k, top-p, min-p truncate the tempered distribution;
 4. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
    cumsum, and with a per-request generator the draw depends only on that request's seed.
@@ -27,6 +27,7 @@ class SamplingBatch:
     request_ids: list[str]
     params: list[SamplingParams]
     num_output_tokens: list[int]
+    entropies: torch.Tensor | None = None  # [S] model entropy, set by the sampler
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [S] logprob of the chosen token (if any row asked)
     top_ids: torch.Tensor | None  # [S, n]
     top_logprobs: torch.Tensor | None  # [S, n]
+    temperatures: torch.Tensor  # [S] temperature each row was sampled at (0 = greedy)
 
 
 class LogitsProcessor(Protocol):
@@ -77,6 +79,7 @@ class Sampler:
         dev = logits.device
         logp = torch.log_softmax(logits, dim=-1)
         entropies = torch.special.entr(logp.exp()).sum(-1)
+        batch.entropies = entropies
         params = batch.params
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         for proc in self.processors:
@@ -95,7 +98,7 @@ class Sampler:
             chosen = logp.gather(1, tokens[:, None]).squeeze(1)
             if n_top > 0:
                 top_lp, top_ids = logp.topk(n_top, dim=-1)
-        return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp)
+        return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps)
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor,
                 batch: SamplingBatch) -> torch.Tensor:

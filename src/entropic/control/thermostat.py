@@ -1,0 +1,93 @@
+"""The thermostat: entropy-stabilising temperature control (SPEC section 4, micro scale).
+
+A sampler-chain element (see `entropic.sampling.sampler.LogitsProcessor`) with per-request
+state T_t. At each step, for every row whose request set `SamplingParams.thermostat`:
+1. the row is sampled at T_t (the controller sets the row's temperature);
+2. the controller measures the entropy that drives it:
+   - stabilize: H_t^T, the entropy of softmax(logits / T_t), the full tempered distribution
+     before top-k/top-p/min-p (which then truncate it as usual);
+   - follow: H_t, the model's temperature-1 entropy;
+   floored at h_min (H_hat = max(H, H_min));
+3. after sampling (`accept`) it moves to
+   stabilize: T_{t+1} = clip(T_t * exp(eta * (H* - H_hat_t^T)), T_min, T_max)
+   follow:    T_{t+1} = clip(T_t * exp(eta * (H_hat_t - H*)), T_min, T_max).
+In stabilize mode a too-certain distribution (H^T < H*) raises T and an uncertain one lowers
+it, so the sampled entropy is held near H* wherever T_min..T_max can reach it.
+Rows without a thermostat are not touched: their outputs are bit-identical to the plain
+sampler's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from entropic.control.estimators import ExactEntropy
+from entropic.sampling.sampler import SamplingBatch
+
+_exact = ExactEntropy()
+
+
+def next_temperature(t: float, h: float, target: float, eta: float, t_min: float,
+                     t_max: float, mode: str) -> float:
+    """One step of the control law (h already floored)."""
+    err = (target - h) if mode == "stabilize" else (h - target)
+    return min(t_max, max(t_min, t * math.exp(eta * err)))
+
+
+class Thermostat:
+    """Per-request temperature controller; state is released when a request finishes."""
+
+    def __init__(self) -> None:
+        self._temps: dict[str, float] = {}
+        self._pending: dict[str, float] = {}
+        self.last_controlled_entropy: dict[str, float] = {}
+
+    def temperature(self, request_id: str) -> float | None:
+        return self._temps.get(request_id)
+
+    def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
+              batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [i for i, p in enumerate(batch.params) if p.thermostat is not None]
+        if not rows:
+            return logits, temperatures
+        temps = temperatures.clone()
+        t_now = []
+        for i in rows:
+            p, rid = batch.params[i], batch.request_ids[i]
+            th = p.thermostat
+            t = self._temps.get(rid)
+            if t is None:
+                t = min(th.t_max, max(th.t_min, p.temperature))
+            t_now.append(t)
+        idx = torch.tensor(rows, device=logits.device)
+        t_vec = torch.tensor(t_now, dtype=logits.dtype, device=logits.device)
+        temps[idx] = t_vec
+        stab = [batch.params[i].thermostat.mode == "stabilize" for i in rows]
+        if any(stab):
+            h_tempered = _exact(logits[idx] / t_vec[:, None]).tolist()
+        h_model = batch.entropies[idx].tolist() if batch.entropies is not None else None
+        self._pending = {}
+        for j, i in enumerate(rows):
+            th, rid = batch.params[i].thermostat, batch.request_ids[i]
+            if stab[j]:
+                h = h_tempered[j]
+            else:
+                if h_model is None:
+                    h_model = _exact(logits[idx]).tolist()
+                h = h_model[j]
+            h = max(h, th.h_min)
+            self.last_controlled_entropy[rid] = h
+            self._pending[rid] = next_temperature(t_now[j], h, th.target_entropy, th.eta,
+                                                  th.t_min, th.t_max, th.mode)
+        return logits, temps
+
+    def accept(self, token_ids: torch.Tensor, batch: SamplingBatch) -> None:
+        self._temps.update(self._pending)
+        self._pending = {}
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._temps.pop(rid, None)
+            self.last_controlled_entropy.pop(rid, None)

@@ -1,0 +1,82 @@
+"""Cost accounting from what actually ran: FLOPs (linear and attention), KV bytes, seconds.
+
+Per step and per request, from the step's chunks:
+- linear FLOPs: 2 * (parameters of the layers' projections) per computed token, plus
+  2 * vocab * hidden for each row whose logits were computed (the lm_head runs only there);
+- attention FLOPs: 4 * layers * heads * head_dim per (query token, attended KV position)
+  pair (QK^T and AV); the attended count comes from the runner, so pruning shows;
+- KV bytes read: 2 (K and V) * layers * kv_heads * head_dim * element size per KV position
+  read by the chunk (its whole attended context is read once per chunk);
+- seconds: the step's wall time, apportioned to its rows in proportion to their FLOPs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from entropic.config import ModelConfig
+
+
+@dataclass
+class Cost:
+    """Resources one request (or the engine) consumed."""
+
+    flops_linear: float = 0.0
+    flops_attention: float = 0.0
+    kv_bytes_read: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        return self.flops_linear + self.flops_attention
+
+    def add(self, other: "Cost") -> None:
+        self.flops_linear += other.flops_linear
+        self.flops_attention += other.flops_attention
+        self.kv_bytes_read += other.kv_bytes_read
+        self.seconds += other.seconds
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """What one request's chunk computed in a step."""
+
+    request_id: str
+    num_tokens: int
+    sampled: bool
+    attended_pairs: int  # sum over the chunk's query tokens of KV positions attended
+    kv_positions_read: int  # distinct KV positions read by the chunk
+
+
+def dense_work(request_id: str, start: int, num_tokens: int, sampled: bool) -> ChunkWork:
+    """Dense causal attention: token at position p attends p + 1 positions."""
+    pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    return ChunkWork(request_id, num_tokens, sampled, pairs, start + num_tokens)
+
+
+class CostModel:
+    """Turns a step's chunk geometry into per-request costs for one model."""
+
+    def __init__(self, config: ModelConfig, kv_element_bytes: int) -> None:
+        c = config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
+            + 3 * c.hidden_size * c.intermediate_size
+        self.linear_per_token = 2.0 * c.num_layers * per_layer
+        self.lm_head_per_row = 2.0 * c.vocab_size * c.hidden_size
+        self.attention_per_pair = 4.0 * c.num_layers * c.num_heads * c.head_dim
+        self.kv_bytes_per_position = 2.0 * c.num_layers * kv * kv_element_bytes
+
+    def chunk_cost(self, w: ChunkWork) -> Cost:
+        return Cost(
+            flops_linear=self.linear_per_token * w.num_tokens
+            + (self.lm_head_per_row if w.sampled else 0.0),
+            flops_attention=self.attention_per_pair * w.attended_pairs,
+            kv_bytes_read=self.kv_bytes_per_position * w.kv_positions_read,
+        )
+
+    def step_costs(self, work: list[ChunkWork], seconds: float) -> dict[str, Cost]:
+        costs = {w.request_id: self.chunk_cost(w) for w in work}
+        total = sum(c.flops for c in costs.values()) or 1.0
+        for c in costs.values():
+            c.seconds = seconds * c.flops / total
+        return costs
