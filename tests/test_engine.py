@@ -148,3 +148,26 @@ def test_preemption_by_recompute_keeps_greedy_tokens(llm_fp32, chat_prompts):
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert _no_blocks_held(small)
+
+
+def test_cost_tau_and_thermostat_on_outputs(llm_bf16):
+    from entropic import ThermostatParams
+    from entropic.control.clock import entropic_time
+
+    eng = llm_bf16.engine
+    before = eng.stats.cost.flops
+    th = ThermostatParams(target_entropy=1.5, t_min=0.3, t_max=1.5)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    (ref,) = llm_bf16.chat(CHAT, plain)
+    outs = llm_bf16.chat([CHAT, CHAT], [plain, SamplingParams(
+        max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, thermostat=th)])
+    assert outs[0].token_ids == ref.token_ids  # a thermostat row leaves the others alone
+    assert outs[0].temperatures == [0.0] * 16
+    assert all(0.3 - 1e-6 <= t <= 1.5 + 1e-6 for t in outs[1].temperatures)
+    assert outs[1].temperatures[0] == pytest.approx(1.0)
+    for o in outs:
+        assert o.entropic.tau == pytest.approx(entropic_time(o.entropies), abs=1e-9)
+        assert o.cost.flops_linear > 0 and o.cost.flops_attention > 0 and o.cost.seconds > 0
+    spent = eng.stats.cost.flops - before
+    assert spent == pytest.approx(ref.cost.flops + sum(o.cost.flops for o in outs), rel=1e-9)
+    assert eng.stats.tau > 0 and eng.stats.tau_per_tflop > 0
