@@ -9,7 +9,9 @@ import torch
 
 from entropic.config import EngineConfig, resolve_dtype
 from entropic.control.clock import EntropicClock
+from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.control.thermostat import Thermostat
+from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
 from entropic.model.llama import LlamaModel
@@ -28,6 +30,8 @@ class LLM:
     `model` is a local GGUF file, a Hugging Face directory (config.json + safetensors), or
     None for the embedded SmolLM2-135M-Instruct. Weights are bf16 by default; `dtype="float32"`
     gives full precision. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
+    `scheduling` is "fcfs" (default) or "entropic" (priority by expected entropy reduction
+    per unit cost, with aging; tuned by `scheduling_config`); `policy` overrides both.
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
@@ -35,6 +39,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                  kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  seed: int | None = None, progress: bool = False,
+                 scheduling: str = "fcfs",
+                 scheduling_config: EntropicSchedulingConfig | None = None,
                  policy: SchedulingPolicy | None = None,
                  processors: Sequence[LogitsProcessor] = ()) -> None:
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
@@ -42,6 +48,8 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
                               max_model_len=max_model_len)
         torch_dtype = resolve_dtype(dtype)
+        if scheduling not in ("fcfs", "entropic"):
+            raise ValueError(f"scheduling must be 'fcfs' or 'entropic', got {scheduling!r}")
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -54,6 +62,12 @@ class LLM:
         # that ask for it; the clock only measures.
         self.thermostat = Thermostat()
         self.clock = EntropicClock()
+        if policy is None and scheduling == "entropic":
+            elem = torch.empty((), dtype=torch_dtype).element_size()
+            policy = EntropicPolicy(self.clock, CostModel(ckpt.config, elem),
+                                    config.resolve_num_blocks(ckpt.config, torch_dtype),
+                                    block_size, max_num_seqs, max_num_batched_tokens,
+                                    scheduling_config)
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
                                 [self.thermostat, *processors], self.clock)
         self.load_seconds = time.perf_counter() - t0

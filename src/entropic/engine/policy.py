@@ -1,8 +1,9 @@
 """Scheduling policies: the swappable ordering and preemption-victim choice.
 
-The scheduler core asks a policy three questions each step: in which order to consider
-waiting requests for admission, in which order running requests get tokens when the budget
-binds, and whom to preempt when KV blocks run out. With the default (`FCFSPolicy`) the
+The scheduler core asks a policy three questions each step: in which order to serve all
+unfinished requests (admission of waiting ones, and which running ones get tokens when the
+budget binds), whom to preempt when KV blocks run out, and whether a waiting request may
+displace a running one when slots or blocks are full. With the default (`FCFSPolicy`) the
 engine is a plain first-come-first-served engine.
 """
 from __future__ import annotations
@@ -13,33 +14,36 @@ from entropic.engine.request import Request
 
 
 class SchedulingPolicy(Protocol):
-    """Hook for the scheduler: orders queues and picks preemption victims."""
+    """Hook for the scheduler: one order over all requests, victims, displacement."""
 
-    def order_waiting(self, waiting: Sequence[Request], step: int) -> list[Request]:
-        """Waiting requests, the one to admit first at the front."""
-        ...
-
-    def order_running(self, running: Sequence[Request], step: int) -> list[Request]:
-        """Running requests, the one to serve first at the front."""
+    def order(self, running: Sequence[Request], waiting: Sequence[Request],
+              step: int) -> list[Request]:
+        """All unfinished requests, the one to serve first at the front."""
         ...
 
     def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
-        """The running request to preempt when blocks run out."""
+        """The running request to preempt (blocks ran out, or a displacement)."""
+        ...
+
+    def displace(self, waiting: Request, victim: Request, step: int) -> bool:
+        """May `waiting` take the slot/blocks of running `victim` (preempting it)?"""
         ...
 
 
 class FCFSPolicy:
-    """First come, first served: oldest arrival first; the newest arrival is preempted."""
+    """First come, first served: running requests before waiting ones, each by arrival;
+    the newest arrival is preempted; nobody is displaced for admission."""
 
     @staticmethod
     def _key(r: Request) -> tuple[float, int]:
         return (r.metrics.arrival_time, r.seq_no)
 
-    def order_waiting(self, waiting: Sequence[Request], step: int) -> list[Request]:
-        return sorted(waiting, key=self._key)
-
-    def order_running(self, running: Sequence[Request], step: int) -> list[Request]:
-        return sorted(running, key=self._key)
+    def order(self, running: Sequence[Request], waiting: Sequence[Request],
+              step: int) -> list[Request]:
+        return sorted(running, key=self._key) + sorted(waiting, key=self._key)
 
     def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
         return max(candidates, key=self._key)
+
+    def displace(self, waiting: Request, victim: Request, step: int) -> bool:
+        return False

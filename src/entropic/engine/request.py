@@ -49,6 +49,8 @@ class Request:
         self.cost = Cost()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.stop_reason: str | int | None = None
+        self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
+        self.outputs_at_admission = 0  # output tokens it had when last admitted
 
     @property
     def num_tokens(self) -> int:

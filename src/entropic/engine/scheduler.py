@@ -86,6 +86,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        req.last_served_step = self.step_count  # waiting time counts from here
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -109,40 +110,42 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Walk all unfinished requests in the policy's order under the token budget.
+
+        A running request gets its next tokens, preempting requests later in the order if
+        KV blocks run out (the policy picks the victim). A waiting request is admitted if a
+        slot and blocks are free, or if the policy lets it displace a running request later
+        in the order; otherwise admission stops there (no overtaking in the order)."""
         self.step_count += 1
-        out = SchedulerOutput(step=self.step_count, finished_ids=self._finished_since_step)
+        step = self.step_count
+        out = SchedulerOutput(step=step, finished_ids=self._finished_since_step)
         self._finished_since_step = []
         budget = self.max_num_batched_tokens
         granted: list[tuple[Request, int]] = []
-        queue = self.policy.order_running(self.running, self.step_count)
-        while queue and budget > 0:
-            req = queue.pop(0)
+        queue = self.policy.order(self.running, self.waiting, step)
+        preempted: set[str] = set()
+        memory_tight = admission_closed = False
+        for i, req in enumerate(queue):
+            if budget <= 0:
+                break
+            if req.request_id in preempted:
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
-                continue
-            # Free blocks by preempting the least valuable not-yet-served request (maybe req).
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.policy.choose_victim(queue + [req], self.step_count)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-                queue.remove(victim)
-            if req.status is not RequestStatus.RUNNING:
-                continue
+            later = [r for r in queue[i + 1:]
+                     if r.status is RequestStatus.RUNNING and r.request_id not in preempted]
+            if req.status is RequestStatus.RUNNING:
+                if not self._grow(req, n, later, out, preempted):
+                    memory_tight = True
+                    continue
+            else:
+                if memory_tight or admission_closed:
+                    continue
+                if not self._admit(req, n, later, out, preempted):
+                    admission_closed = True
+                    continue
+            req.last_served_step = step
             granted.append((req, n))
             budget -= n
-        if not out.preempted_ids:  # memory is tight when we just preempted: admit nobody
-            for req in self.policy.order_waiting(self.waiting, self.step_count):
-                if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                    break
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                    break
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                granted.append((req, n))
-                budget -= n
         for req, n in granted:
             start = req.num_computed_tokens
             out.chunks.append(ScheduledChunk(
@@ -155,6 +158,40 @@ class Scheduler:
                 num_output_tokens=req.num_output_tokens,
             ))
         return out
+
+    def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
+              preempted: set[str]) -> bool:
+        """Blocks for a running request's next n tokens, preempting (maybe itself)."""
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self.policy.choose_victim(later + [req], self.step_count)
+            self._preempt(victim, out)
+            preempted.add(victim.request_id)
+            if victim is req:
+                return False
+            later.remove(victim)
+        return True
+
+    def _admit(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
+               preempted: set[str]) -> bool:
+        """Admit a waiting request, displacing lower-ranked running ones if the policy allows."""
+        need = req.num_computed_tokens + n
+        while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(req.request_id,
+                                                                            need):
+            if not later:
+                return False
+            victim = self.policy.choose_victim(later, self.step_count)
+            if not self.policy.displace(req, victim, self.step_count):
+                return False
+            self._preempt(victim, out)
+            preempted.add(victim.request_id)
+            later.remove(victim)
+        if not self.kv.allocate(req.request_id, need):
+            return False
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.outputs_at_admission = req.num_output_tokens
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, requeue."""

@@ -1,0 +1,146 @@
+"""Entropy-aware scheduling (SPEC section 4, macro scale), with bounded waiting.
+
+Priority of a request s:   pi(s) = E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s + eps)
+
+- E[dH_s], expected entropy reduction of its next step: the mean of its recent positive
+  entropy drops dH+ over the clock's window (the observed rate at which it is resolving
+  uncertainty), shrunk toward the engine-wide mean dH+ per token with `prior_weight`
+  pseudo-observations; a request with no history gets that engine-wide mean (its prior),
+  and `default_prior` before any token has been observed.
+- C_s, cost of its next step, from the engine's cost model: FLOPs of the tokens it would
+  compute now (a decode token at its context, or its next prefill chunk), in units of one
+  decode token at zero context.
+- M_s, KV memory it holds (or will need to hold its tokens), in units of a fair share of
+  the cache (num_blocks / max_num_seqs).
+- L_s, a length term: output tokens generated so far / `length_scale`. Favouring requests
+  with less attained service is the classic way to lower mean latency without knowing job
+  sizes (least-attained-service); aging protects the long ones.
+
+Bounded waiting (aging): a request not served for `max_wait` scheduler steps is *aged*.
+Aged requests come first, oldest wait first; they are never chosen as victims while a
+non-aged candidate exists, and an aged waiting request may displace any running request
+that is not aged or has waited less, unless that request has not produced a token since it
+was admitted (displacing it would discard its prefill, and two requests could displace each
+other forever without progress).
+Bound: the head of the aged set has the whole token budget and can preempt or displace
+every request behind it (no request alone exceeds the cache: the engine rejects those),
+except one admitted request that has not yet produced its token, which finishes within P
+steps (P = the longest prefill in chunks, ceil(context / max_num_batched_tokens)). So each
+aged request ahead of a request costs it at most P steps, and the aged set ahead of it only
+shrinks: no request waits more than max_wait + Q * P steps, Q the number of unfinished
+requests (max_wait + Q when prompts fit one chunk, as with the default budget).
+tests/test_entropic_scheduling.py checks this bound on random
+workloads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from entropic.control.clock import EntropicClock
+from entropic.engine.cost import CostModel, dense_work
+from entropic.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class EntropicSchedulingConfig:
+    """alpha, beta, gamma weigh compute, memory and length; max_wait is the aging bound W."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 1.0
+    max_wait: int = 64
+    length_scale: float = 256.0
+    prior_weight: float = 2.0
+    default_prior: float = 0.5
+    displace_margin: float = 2.0  # a waiting request displaces only if pi is this much higher
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"scheduling.{name} must be >= 0, got {getattr(self, name)}")
+        if self.alpha + self.beta + self.gamma <= 0:
+            raise ValueError("scheduling: alpha, beta and gamma cannot all be 0")
+        if self.max_wait < 1:
+            raise ValueError(f"scheduling.max_wait must be >= 1, got {self.max_wait}")
+        if self.length_scale <= 0 or self.prior_weight < 0 or self.default_prior <= 0:
+            raise ValueError("scheduling: length_scale and default_prior must be > 0, "
+                             "prior_weight >= 0")
+        if self.displace_margin < 1:
+            raise ValueError(f"scheduling.displace_margin must be >= 1, "
+                             f"got {self.displace_margin}")
+
+
+class EntropicPolicy:
+    """The macro control law as a scheduler policy (see the module docstring)."""
+
+    EPS = 1e-6
+
+    def __init__(self, clock: EntropicClock, cost_model: CostModel, num_blocks: int,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 config: EntropicSchedulingConfig | None = None) -> None:
+        self.clock = clock
+        self.cost = cost_model
+        self.block_size = block_size
+        self.fair_share = max(1.0, num_blocks / max_num_seqs)
+        self.budget = max_num_batched_tokens
+        self.config = config or EntropicSchedulingConfig()
+        self.unit_cost = cost_model.linear_per_token + cost_model.lm_head_per_row
+
+    # ---- the priority -------------------------------------------------------------------
+    def expected_gain(self, req: Request) -> float:
+        c = self.config
+        prior = (self.clock.tau_total / self.clock.tokens if self.clock.tokens
+                 else c.default_prior)
+        h = self.clock.history(req.request_id)
+        drops = [max(0.0, a - b) for a, b in zip(h, h[1:])]
+        return (sum(drops) + c.prior_weight * prior) / (len(drops) + c.prior_weight)
+
+    def next_step_cost(self, req: Request) -> float:
+        n = min(max(1, req.num_tokens - req.num_computed_tokens), self.budget)
+        w = dense_work(req.request_id, req.num_computed_tokens, n, True)
+        return self.cost.chunk_cost(w).flops / self.unit_cost
+
+    def memory(self, req: Request) -> float:
+        blocks = -(-req.num_tokens // self.block_size)
+        return blocks / self.fair_share
+
+    def priority(self, req: Request) -> float:
+        c = self.config
+        denom = (c.alpha * self.next_step_cost(req) + c.beta * self.memory(req)
+                 + c.gamma * req.num_output_tokens / c.length_scale)
+        return self.expected_gain(req) / (denom + self.EPS)
+
+    def age(self, req: Request, step: int) -> int:
+        return step - req.last_served_step
+
+    def aged(self, req: Request, step: int) -> bool:
+        return self.age(req, step) >= self.config.max_wait
+
+    # ---- the policy hooks --------------------------------------------------------------
+    def order(self, running: Sequence[Request], waiting: Sequence[Request],
+              step: int) -> list[Request]:
+        everyone = list(running) + list(waiting)
+        aged = sorted((r for r in everyone if self.aged(r, step)),
+                      key=lambda r: (-self.age(r, step), r.seq_no))
+        rest = [r for r in everyone if not self.aged(r, step)]
+        # running before waiting at equal priority keeps the batch stable
+        rest.sort(key=lambda r: (-self.priority(r), r.status is not RequestStatus.RUNNING,
+                                 r.seq_no))
+        return aged + rest
+
+    def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
+        fresh = [r for r in candidates if not self.aged(r, step)]
+        if fresh:
+            return min(fresh, key=lambda r: (self.priority(r), -r.seq_no))
+        return min(candidates, key=lambda r: (self.age(r, step), -r.seq_no))
+
+    def displace(self, waiting: Request, victim: Request, step: int) -> bool:
+        if victim.num_output_tokens == victim.outputs_at_admission:
+            return False  # no token since admission: displacing it could livelock
+        if self.aged(waiting, step):  # an older wait beats a younger one, aged or not
+            return not self.aged(victim, step) or self.age(waiting, step) > self.age(victim,
+                                                                                     step)
+        if self.aged(victim, step):
+            return False
+        return self.priority(waiting) > self.config.displace_margin * self.priority(victim)

@@ -1,0 +1,138 @@
+"""The entropic scheduling policy with a fake runner: ordering, victims, aging, no starvation."""
+from hypothesis import given, settings, strategies as st
+
+from entropic.config import ModelConfig
+from entropic.control.clock import EntropicClock
+from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
+from entropic.engine.cost import CostModel
+from entropic.engine.request import Request, RequestStatus
+from entropic.sampling_params import SamplingParams
+from fakes import make_scheduler, next_token
+
+CFG = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position=4096)
+
+
+def fake_entropy(history: list[int]) -> float:
+    """A deterministic entropy in [0, 4) from the token history."""
+    return (next_token(history + [7]) % 40) / 10.0
+
+
+def setup(num_blocks, max_num_seqs=4, budget=32, max_wait=8, **cfg):
+    clock = EntropicClock()
+    policy = EntropicPolicy(clock, CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget,
+                            EntropicSchedulingConfig(max_wait=max_wait, **cfg))
+    sched, pool, runner = make_scheduler(num_blocks, max_num_seqs=max_num_seqs, budget=budget,
+                                         policy=policy)
+    return sched, pool, runner, clock, policy
+
+
+def step(sched, runner, clock):
+    out = sched.schedule()
+    sampled = runner.execute(out)
+    for rid, s in sampled.items():
+        s.entropy = fake_entropy(sched.requests[rid].token_ids)
+        clock.observe(rid, s.entropy)
+    return out, sched.update(out, sampled, 0.0)
+
+
+_t = [0.0]
+
+
+def req(rid, n_prompt, max_tokens):
+    _t[0] += 1
+    return Request(rid, [(i * 3 + len(rid)) % 50 for i in range(n_prompt)],
+                   SamplingParams(max_tokens=max_tokens, temperature=0), _t[0])
+
+
+def test_unresolved_sequences_rank_before_resolved_ones():
+    sched, pool, runner, clock, policy = setup(64)
+    a, b = req("a", 4, 50), req("b", 4, 50)
+    for r in (a, b):
+        sched.add(r)
+    for h in [4.0, 3.0, 2.5, 1.5]:  # a is resolving uncertainty fast
+        clock.observe("a", h)
+    for h in [0.1, 0.1, 0.1, 0.1]:  # b is resolved: flat, near-zero entropy
+        clock.observe("b", h)
+    assert policy.expected_gain(a) > policy.expected_gain(b)
+    assert policy.order([], [b, a], step=1) == [a, b]
+    assert policy.choose_victim([a, b], step=1) is b
+
+
+def test_cost_memory_and_length_lower_priority():
+    sched, pool, runner, clock, policy = setup(64)
+    short, long_ = req("s", 4, 50), req("l", 200, 50)  # same (prior) gain, costlier prefill
+    assert policy.priority(short) > policy.priority(long_)
+    old = req("o", 4, 500)
+    old.token_ids += [1] * 300  # 300 output tokens: more attained service
+    assert policy.priority(short) > policy.priority(old)
+
+
+def test_aged_request_first_and_never_victim():
+    sched, pool, runner, clock, policy = setup(64, max_wait=5)
+    a, b = req("a", 4, 50), req("b", 4, 50)
+    a.last_served_step, b.last_served_step = 0, 10
+    b.token_ids.append(5)  # b has produced a token since its admission
+    clock.observe("b", 4.0)
+    clock.observe("b", 0.0)  # b looks far more valuable
+    assert policy.order([], [b, a], step=10) == [a, b]  # but a has waited 10 >= 5 steps
+    assert policy.choose_victim([a, b], step=10) is b
+    assert policy.displace(a, b, step=10) and not policy.displace(b, a, step=10)
+
+
+def test_low_priority_request_is_not_starved():
+    # max_num_seqs=1: a stream of cheap requests would overtake the costly one forever
+    sched, pool, runner, clock, policy = setup(200, max_num_seqs=1, budget=64, max_wait=6)
+    sched.add(req("big", 60, 3))
+    served_big_at = None
+    for i in range(60):
+        sched.add(req(f"s{i}", 2, 2))
+        out, _ = step(sched, runner, clock)
+        if served_big_at is None and any(c.request_id == "big" for c in out.chunks):
+            served_big_at = out.step
+    assert served_big_at is not None and served_big_at <= 6 + 1 + 1
+
+
+workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integers(1, 10)),
+                    min_size=1, max_size=14)
+
+
+@settings(max_examples=120, deadline=None)
+@given(workload, st.integers(10, 30), st.integers(1, 4), st.integers(4, 40),
+       st.integers(1, 12))
+def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait):
+    """Random arrivals: every unfinished request is served at least every max_wait + Q * P
+    steps (Q = unfinished requests, P = longest prefill in steps), blocks never leak, and since the fake model is greedy,
+    every request gets the same tokens as under FCFS."""
+    sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait)
+    fifo, fpool, frunner = make_scheduler(num_blocks, max_num_seqs=max_seqs, budget=budget)
+    fits = [(t, p, m) for t, p, m in reqs if -(-(p + m) // 4) <= num_blocks]
+    prefill_steps = -(-max((p + m for _, p, m in fits), default=1) // budget)
+    finished, reference = {}, {}
+    for s, (sch, run) in enumerate([(sched, runner), (fifo, frunner)]):
+        pending = sorted(enumerate(fits), key=lambda x: x[1][0])
+        done = finished if s == 0 else reference
+        q_max = 0
+        for t in range(2000):
+            while pending and pending[0][1][0] <= t:
+                i, (_, p, m) = pending.pop(0)
+                sch.add(req(f"r{i}", p, m))
+            if not sch.num_unfinished:
+                if not pending:
+                    break
+                continue
+            q_max = max(q_max, sch.num_unfinished)
+            if s == 0:
+                _, touched = step(sch, run, clock)
+                for r in sch.requests.values():
+                    bound = max_wait + q_max * prefill_steps
+                    assert sch.step_count - r.last_served_step <= bound
+            else:
+                out = sch.schedule()
+                touched = sch.update(out, run.execute(out), 0.0)
+            for r in touched:
+                if r.status.finished:
+                    done[r.request_id] = r.output_token_ids
+        assert not sch.num_unfinished
+    assert pool.num_free == num_blocks and fpool.num_free == num_blocks
+    assert finished == reference
