@@ -43,3 +43,12 @@ def test_cost_model_counts_by_hand():
     costs = m.step_costs([w, dense_work("s", 9, 1, True)], seconds=1.0)
     assert sum(x.seconds for x in costs.values()) == pytest.approx(1.0)
     assert costs["r"].seconds > costs["s"].seconds
+
+
+def test_clock_fits_drop_per_nat():
+    clock = EntropicClock()
+    assert clock.drop_per_nat(default=0.7) == 0.7 and clock.mean_entropy is None
+    for h in [2.0, 1.0, 3.0, 1.5]:  # drops 1.0 after H=2, 0 after 1, 1.5 after 3
+        clock.observe("a", h)
+    assert clock.drop_per_nat() == pytest.approx((2 * 1.0 + 1 * 0 + 3 * 1.5) / (4 + 1 + 9))
+    assert clock.mean_entropy == pytest.approx(1.875)

@@ -35,11 +35,18 @@ class EntropicClock:
         self._tracks: dict[str, _Track] = {}
         self.tau_total = 0.0
         self.tokens = 0
+        self.sum_h = 0.0
+        # least-squares fit of next-step dH+ on the previous H, over all requests
+        self._sxy = 0.0
+        self._sxx = 0.0
 
     def observe(self, request_id: str, entropy: float) -> float:
         """Record one step's entropy; return dH+ for it (0 for a first token)."""
         t = self._tracks.setdefault(request_id, _Track())
         gain = 0.0 if t.last is None else max(0.0, t.last - entropy)
+        if t.last is not None:
+            self._sxy += t.last * gain
+            self._sxx += t.last * t.last
         t.last = entropy
         t.tau += gain
         t.n += 1
@@ -49,7 +56,16 @@ class EntropicClock:
             del t.history[0]
         self.tau_total += gain
         self.tokens += 1
+        self.sum_h += entropy
         return gain
+
+    def drop_per_nat(self, default: float = 0.5) -> float:
+        """kappa in E[dH+_{t+1}] ~ kappa * H_t, fitted on everything observed so far."""
+        return self._sxy / self._sxx if self._sxx > 0 else default
+
+    @property
+    def mean_entropy(self) -> float | None:
+        return self.sum_h / self.tokens if self.tokens else None
 
     def history(self, request_id: str) -> list[float]:
         t = self._tracks.get(request_id)
