@@ -14,8 +14,8 @@ Measured per configuration (over all generated tokens of all prompts):
   its variance, and the fraction of collapsed steps (H^T < 0.05 nats);
 - distinct-2 / distinct-3 (distinct n-grams / n-grams, per output, averaged) and the
   repetition rate (fraction of tokens that complete a 4-gram already seen in that output);
-- output tokens/s of a separate timing pass without the probe, 64 requests at once, and the
-  thermostat's overhead against fixed T = 1.0 (median of --repeats).
+- output tokens/s of a separate timing pass without the probe (--timing-prompts requests at
+  once), and the thermostat's overhead against fixed T = 1.0 (median of --repeats).
 Writes results/thermostat.json, a Markdown table on stdout and results/thermostat_traces.png.
 """
 from __future__ import annotations
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--targets", type=float, nargs="+", default=[1.0, 2.0, 3.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--timing-prompts", type=int, default=32)
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     if args.quick:
@@ -140,7 +141,7 @@ def main() -> None:
 
     # timing pass without the probe, all configurations interleaved per repeat
     timer = LLM()
-    timing_prompts = prompts[:64]
+    timing_prompts = prompts[:args.timing_prompts]
     tps: dict[str, list[float]] = {k: [] for k in cfgs}
     timer.generate(timing_prompts[:4], SamplingParams(max_tokens=4))  # warm-up
     for _ in range(args.repeats):
