@@ -128,10 +128,13 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     if args.quick:
         args.requests, args.repeats = 24, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kw = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.kv_blocks,
               max_num_batched_tokens=512)
     llms = {"fcfs": LLM(**kw), "entropic": LLM(scheduling="entropic", **kw)}
