@@ -54,8 +54,28 @@ class LogitsProcessor(Protocol):
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Exact entropy H = -sum p log p (nats) of softmax(logits) per row; 0 * log 0 = 0."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.special.entr(logp.exp()).sum(-1)
+    return entropy_from_logprobs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum p log p per row from log-probabilities, as a dot product of p and log p:
+    `entr(p)` would take a log of every p again (~25x slower over a 49k vocabulary). A
+    -inf log-probability makes 0 * -inf = NaN there; such batches take the `entr` path."""
+    p = logp.exp()
+    h = -torch.linalg.vecdot(p, logp)
+    if torch.isnan(h).any():
+        h = torch.special.entr(p).sum(-1)
+    return h
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    """Raise on NaN anywhere or on a row with no finite value."""
+    # One cheap pass: a row max is finite unless the row has a NaN, +inf, or only -inf;
+    # only then run the exact (slower) test, since +inf beside finite values is allowed.
+    if bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        return
+    if not torch.isfinite(logits).any(dim=-1).all() or torch.isnan(logits).any():
+        raise FloatingPointError("sampler: logits contain NaN or a row with no finite value")
 
 
 class Sampler:
@@ -73,12 +93,11 @@ class Sampler:
             p.release(request_ids)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if not torch.isfinite(logits).any(dim=-1).all() or torch.isnan(logits).any():
-            raise FloatingPointError("sampler: logits contain NaN or a row with no finite value")
+        _check_logits(logits)
         S, V = logits.shape
         dev = logits.device
         logp = torch.log_softmax(logits, dim=-1)
-        entropies = torch.special.entr(logp.exp()).sum(-1)
+        entropies = entropy_from_logprobs(logp)
         batch.entropies = entropies
         params = batch.params
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
