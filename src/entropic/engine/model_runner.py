@@ -9,9 +9,38 @@ from dataclasses import dataclass
 import torch
 
 from entropic.engine.scheduler import SampledToken, SchedulerOutput, ScheduledChunk
-from entropic.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from entropic.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from entropic.model.llama import LlamaModel
 from entropic.sampling.sampler import Sampler, SamplingBatch
+
+
+# Fixed cost of one more decode group, in padded context positions: the group's extra
+# gather and SDPA calls per layer cost about what attending ~160 more positions does.
+DECODE_GROUP_OVERHEAD = 160
+
+
+def _is_decode(c: ScheduledChunk) -> bool:
+    """One new token after a cached context (a prefill chunk of one token counts too)."""
+    return c.num_tokens == 1 and c.start_pos > 0
+
+
+def split_by_length(lengths: list[int], overhead: int) -> list[tuple[int, int]]:
+    """Split ascending `lengths` into runs [start, end) that minimise the padded work
+    sum(run size * run's longest) + overhead * number of runs (dynamic programming)."""
+    n = len(lengths)
+    best = [0] + [float("inf")] * n  # best[j]: cost of the first j lengths
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[j - 1]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs = []
+    while n:
+        runs.append((cut[n], n))
+        n = cut[n]
+    return runs[::-1]
 
 
 @dataclass
@@ -35,49 +64,24 @@ class ModelRunner:
         self.device = model.device
         self.keep_logits = False  # tests read raw logits through this switch
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor,
                                                         torch.Tensor, AttentionMetadata,
                                                         torch.Tensor]:
         """Order rows (decodes first), build input ids, positions and attention metadata."""
-        decodes = [c for c in out.chunks if c.num_tokens == 1 and c.start_pos > 0]
-        prefills = [c for c in out.chunks if not (c.num_tokens == 1 and c.start_pos > 0)]
+        decodes = [c for c in out.chunks if _is_decode(c)]
+        prefills = [c for c in out.chunks if not _is_decode(c)]
         chunks = decodes + prefills
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for c in chunks:
-            ids.extend(c.token_ids)
-            pos.extend(range(c.start_pos, c.start_pos + c.num_tokens))
-            slots.extend(self._slots(c.block_table, c.start_pos, c.start_pos + c.num_tokens))
         dev = self.device
-        decode_slots = decode_mask = None
-        if decodes:
-            ctx = [c.start_pos + 1 for c in decodes]
-            max_ctx = max(ctx)
-            rows = [self._slots(c.block_table, 0, n) + [0] * (max_ctx - n)
-                    for c, n in zip(decodes, ctx)]
-            decode_slots = torch.tensor(rows, dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx, device=dev)
-            decode_mask = (torch.arange(max_ctx, device=dev)[None, :] < lens[:, None])
-            decode_mask = decode_mask[:, None, None, :]
-        pre: list[PrefillChunk] = []
-        offset = len(decodes)
-        for c in prefills:
-            ctx_slots = None
-            if c.start_pos > 0:
-                ctx_slots = torch.tensor(self._slots(c.block_table, 0, c.start_pos + c.num_tokens),
-                                         dtype=torch.long, device=dev)
-            pre.append(PrefillChunk(offset, c.num_tokens, c.start_pos, ctx_slots))
-            offset += c.num_tokens
+        bs = self.block_size
+        decode_slots = [c.block_table[c.start_pos // bs] * bs + c.start_pos % bs for c in decodes]
+        pre, pre_slots = self._prefill_chunks(prefills, offset=len(decodes))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decodes), decode_slots=decode_slots, decode_mask=decode_mask,
-            prefills=pre,
-        )
+            slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.long, device=dev),
+                                    *pre_slots]),
+            num_decode=len(decodes), decode_groups=[], prefills=pre)
+        self._add_decode_groups(meta, decodes)
+        ids = [t for c in chunks for t in c.token_ids]
+        pos = [p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)]
         # logits only for rows that sample: the last token of their chunk
         ends, idx = [], 0
         for c in chunks:
@@ -88,6 +92,51 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         logits_idx = torch.tensor(ends, dtype=torch.long, device=dev)
         return chunks, input_ids, positions, meta, logits_idx
+
+    def _slot_table(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
+        """[rows, length] cache slots of positions 0..length-1 of each row (rows with fewer
+        blocks are padded with block 0: callers mask those positions)."""
+        bs = self.block_size
+        nb = -(-length // bs)
+        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables]
+        blocks = torch.tensor(padded, dtype=torch.long, device=self.device)
+        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
+        return (blocks[:, :, None] * bs + offsets).view(len(block_tables), nb * bs)[:, :length]
+
+    def _add_decode_groups(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
+        """Split the decode rows, taken in order of context length, into groups padded to
+        their longest; record the order (and its inverse) unless it is the batch order."""
+        order = sorted(range(len(decodes)), key=lambda r: decodes[r].start_pos)
+        if order != list(range(len(decodes))):
+            meta.decode_order = torch.tensor(order, dtype=torch.long, device=self.device)
+            meta.decode_restore = torch.argsort(meta.decode_order)
+        rows = [decodes[r] for r in order]
+        lengths = [c.start_pos + 1 for c in rows]
+        for start, end in split_by_length(lengths, DECODE_GROUP_OVERHEAD):
+            ctx = lengths[end - 1]
+            slots = self._slot_table([c.block_table for c in rows[start:end]], ctx)
+            mask = None
+            if lengths[start] < ctx:
+                lens = torch.tensor(lengths[start:end], device=self.device)
+                mask = (torch.arange(ctx, device=self.device) < lens[:, None])[:, None, None, :]
+            meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask))
+
+    def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int
+                        ) -> tuple[list[PrefillChunk], list[torch.Tensor]]:
+        """Attention metadata of each prefill chunk, and the cache slots of its new tokens."""
+        chunks, new_slots = [], []
+        for c in prefills:
+            end = c.start_pos + c.num_tokens
+            slots = self._slot_table([c.block_table], end)[0]
+            new_slots.append(slots[c.start_pos:])
+            ctx_slots = mask = None
+            if c.start_pos > 0:  # attend to the cached prefix too: causal mask by position
+                ctx_slots = slots
+                pos_q = torch.arange(c.start_pos, end, device=self.device)
+                mask = torch.arange(end, device=self.device) <= pos_q[:, None]
+            chunks.append(PrefillChunk(offset, c.num_tokens, c.start_pos, ctx_slots, mask))
+            offset += c.num_tokens
+        return chunks, new_slots
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:

@@ -2,7 +2,9 @@
 
 The batch is a flat run of tokens: first the decode rows (one new token each), then the
 prefill chunks (several new tokens each). New K/V are written into their cache slots, then
-- decode rows attend, all together, to their context gathered through the block table;
+- decode rows attend in groups of similar context length (taken in order of length and
+  split so that padding stays small), each group to its contexts gathered through the block
+  table and padded to the group's longest;
 - each prefill chunk attends causally to its cached prefix plus itself.
 All of this is described by an explicit `AttentionMetadata`, never by globals.
 """
@@ -15,6 +17,17 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) in order of context length, padded to `ctx` positions."""
+
+    start: int
+    end: int
+    ctx: int
+    slots: torch.Tensor  # [(end - start) * ctx] context slots, row after row; padding: any slot
+    mask: torch.Tensor | None  # [end - start, 1, 1, ctx] bool, True = attend; None: no padding
+
+
+@dataclass
 class PrefillChunk:
     """A run of `q_len` new tokens at positions [start, start + q_len) of one sequence."""
 
@@ -22,6 +35,7 @@ class PrefillChunk:
     q_len: int
     start: int  # tokens of this sequence already in the cache
     slots: torch.Tensor | None  # [start + q_len] cache slots of the whole context; None if start == 0
+    mask: torch.Tensor | None = None  # [q_len, start + q_len] bool causal mask; None if start == 0
 
 
 @dataclass
@@ -30,58 +44,89 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     num_decode: int
-    decode_slots: torch.Tensor | None  # [D, max_ctx] context slots of each decode row (padded)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_ctx] bool, True = attend
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    # Decode rows stay where the scheduler put them (a row's numbers can depend on its place
+    # in the batch's matmuls); attention takes them in order of length and puts them back.
+    decode_order: torch.Tensor | None = None  # [num_decode] rows by length; None: in order
+    decode_restore: torch.Tensor | None = None  # inverse permutation of decode_order
 
 
 class KVCache:
-    """Per-layer K and V storage: [num_blocks * block_size, num_kv_heads, head_dim]."""
+    """K and V of every layer in one tensor: [num_layers, num_blocks * block_size, 2, kv_heads,
+    head_dim]. K and V of a slot sit side by side, so one copy writes both and one gather
+    reads both."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """[num_layers, slots, kv_heads, head_dim] view of the keys."""
+        return self.kv[:, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """[num_layers, slots, kv_heads, head_dim] view of the values."""
+        return self.kv[:, :, 1]
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.kv.numel() * self.kv.element_size()
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (new tokens). Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    num_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    rep = num_heads // kv_heads
-    out = torch.empty_like(q)
-    d = meta.num_decode
-    if d:
-        # Group the query heads that share a KV head, so K/V need no repeat: [D, KVH, rep, D].
-        qd = q[:d].view(d, kv_heads, rep, head_dim)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KVH, ctx, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:d] = od.reshape(d, num_heads, head_dim)
-    for p in meta.prefills:
-        sl = slice(p.token_offset, p.token_offset + p.q_len)
-        qp = q[sl].transpose(0, 1)  # [H, q, D]
-        if p.slots is None:
-            kp, vp = k[sl], v[sl]
-            mask, causal = None, True
-        else:
-            kp, vp = k_cache[p.slots], v_cache[p.slots]
-            ctx = p.start + p.q_len
-            pos_q = torch.arange(p.start, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]
-            causal = False
-        kp = kp.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, ctx, D]
-        vp = vp.transpose(0, 1).repeat_interleave(rep, dim=0)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=causal,
-                                            scale=scale)
-        out[sl] = op.transpose(0, 1)
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; kv: [T, 2, KVH, D] new keys and values; kv_cache: [slots, 2, KVH, D] of
+    this layer. Returns [T, H * D]."""
+    kv_cache.index_copy_(0, meta.slot_mapping, kv)
+    parts = []
+    if meta.num_decode:
+        parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale))
+    parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+    """All decode rows, group by group; returns [num_decode, H * D] in batch order."""
+    if meta.decode_order is not None:
+        q = q.index_select(0, meta.decode_order)
+    parts = [_decode_group(q, kv_cache, g, scale) for g in meta.decode_groups]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if meta.decode_restore is not None:
+        out = out.index_select(0, meta.decode_restore)
     return out
+
+
+def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    """One new token per row against its whole context; returns [rows, H * D]."""
+    n, (num_heads, head_dim), kv_heads = g.end - g.start, q.shape[1:], kv_cache.shape[2]
+    # Group the query heads that share a KV head, so K/V need no repeat: [n, KVH, rep, D].
+    qd = q[g.start:g.end].view(n, kv_heads, num_heads // kv_heads, head_dim)
+    # index_select on the flat slot list: a plain row copy (2-D advanced indexing is ~10x slower)
+    ctx = kv_cache.index_select(0, g.slots).view(n, g.ctx, 2, kv_heads, head_dim)
+    kd = ctx[:, :, 0].transpose(1, 2)  # [n, KVH, ctx, D], strided: SDPA reads it in place
+    vd = ctx[:, :, 1].transpose(1, 2)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+    return od.reshape(n, num_heads * head_dim)
+
+
+def _prefill_chunk(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, p: PrefillChunk,
+                   scale: float) -> torch.Tensor:
+    """A causal run of new tokens, after its cached prefix; returns [q_len, H * D]."""
+    num_heads, head_dim = q.shape[1:]
+    sl = slice(p.token_offset, p.token_offset + p.q_len)
+    ctx = kv[sl] if p.slots is None else kv_cache.index_select(0, p.slots)
+    rep = num_heads // ctx.shape[2]
+    qp = q[sl].transpose(0, 1)  # [H, q, D]
+    kp = ctx[:, 0].transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, ctx, D]
+    vp = ctx[:, 1].transpose(0, 1).repeat_interleave(rep, dim=0)
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+                                        scale=scale)
+    return op.transpose(0, 1).reshape(p.q_len, num_heads * head_dim)

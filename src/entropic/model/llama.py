@@ -5,24 +5,31 @@ bias. Q, K and V projections are fused into one matrix, gate and up into another
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from entropic.config import ModelConfig
 from entropic.model.attention import AttentionMetadata, KVCache, paged_attention
+from entropic.model.linear import Linear, make_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, as the reference implementation does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm computed in fp32, as the reference implementation does: the normalised
+    activations are rounded to the model dtype before the weight multiplies them."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class RotaryEmbedding:
-    """cos/sin tables for all positions, built once (fp32, cast to the model dtype)."""
+    """cos/sin tables for all positions, built once (fp32, cast to the model dtype).
+
+    HF rotates as x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). We use
+    the equal product roll(x) * sin_signed, roll(x) = cat(x2, x1) and sin_signed =
+    cat(-sin1, sin2): a sign moves between exact factors, so every rounding is unchanged,
+    and the rotation costs one copy instead of a negation and a concatenation."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -32,68 +39,101 @@ class RotaryEmbedding:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        sin = emb.sin().to(dtype)
+        half = head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]; cos, sin: [T, 1, D]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin_signed for these positions, [T, 1, D]: once per step, for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        """Rotate x [T, heads, D] in place (x may be a view into a larger buffer)."""
+        rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)
+        torch.add(x * cos, rotated, out=x)
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
+          dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor in the run dtype on the run device, with a clear error if missing."""
+    try:
+        t = tensors[name]
+    except KeyError:
+        raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+@dataclass
+class DecoderLayer:
+    """One decoder layer's weights: norms as tensors, projections as prepared `Linear`s."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear  # q, k, v fused (with Qwen2's bias)
+    o: Linear
+    gate_up: Linear  # gate and up fused
+    down: Linear
+
+    @property
+    def numel(self) -> int:
+        return (self.in_norm.numel() + self.post_norm.numel() + self.qkv.numel + self.o.numel
+                + self.gate_up.numel + self.down.numel)
 
 
 class LlamaModel:
-    """Weights as plain tensors and a functional forward; no nn.Module machinery needed."""
+    """Weights as plain tensors and a functional forward; no nn.Module machinery needed.
+
+    `packed_linears` (default) prepacks the projection weights for oneDNN where the device
+    supports it (`entropic.model.linear`); False keeps plain `F.linear` everywhere."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 packed_linears: bool = True) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         c = config
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                t = tensors[name]
-            except KeyError:
-                raise ValueError(f"checkpoint is missing tensor {name!r}") from None
-            return t.to(device=self.device, dtype=dtype).contiguous()
-
+        take = functools.partial(_take, tensors, device=self.device, dtype=dtype)
         self.embed = take("model.embed_tokens.weight")
         if self.embed.shape != (c.vocab_size, c.hidden_size):
             raise ValueError(f"embed_tokens has shape {tuple(self.embed.shape)}, expected "
                              f"{(c.vocab_size, c.hidden_size)}")
-        self.lm_head = self.embed if c.tie_word_embeddings else take("lm_head.weight")
+        self.tied = c.tie_word_embeddings
+        # A tied lm_head gets its own (packed) copy: the lookup needs the plain table.
+        self.lm_head = make_linear(self.embed if self.tied else take("lm_head.weight"),
+                                   packed=packed_linears)
         self.norm = take("model.norm.weight")
-        self.layers = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
-            bias = None
-            if c.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-            self.layers.append({
-                "in_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "qkv": qkv.contiguous(),
-                "qkv_bias": bias,
-                "o": take(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([take(p + "mlp.gate_proj.weight"),
-                                      take(p + "mlp.up_proj.weight")], 0).contiguous(),
-                "down": take(p + "mlp.down_proj.weight"),
-            })
+        self.layers = [self._decoder_layer(take, f"model.layers.{i}.", packed_linears)
+                       for i in range(c.num_layers)]
         self.rope = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, dtype, self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
 
+    def _decoder_layer(self, take, prefix: str, packed: bool) -> DecoderLayer:
+        """One layer's weights, q/k/v and gate/up fused into single matrices."""
+
+        def linear(*names: str, bias: bool = False) -> Linear:
+            weight = torch.cat([take(prefix + n + ".weight") for n in names])
+            b = torch.cat([take(prefix + n + ".bias") for n in names]) if bias else None
+            return make_linear(weight, b, packed=packed)
+
+        return DecoderLayer(
+            in_norm=take(prefix + "input_layernorm.weight"),
+            post_norm=take(prefix + "post_attention_layernorm.weight"),
+            qkv=linear(*(f"self_attn.{n}_proj" for n in "qkv"), bias=self.config.attention_bias),
+            o=linear("self_attn.o_proj"),
+            gate_up=linear("mlp.gate_proj", "mlp.up_proj"),
+            down=linear("mlp.down_proj"),
+        )
+
     @property
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()
-        if self.lm_head is not self.embed:
-            n += self.lm_head.numel()
-        for layer in self.layers:
-            n += sum(t.numel() for t in layer.values() if t is not None)
-        return n
+        if not self.tied:
+            n += self.lm_head.numel
+        return n + sum(layer.numel for layer in self.layers)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         c = self.config
@@ -104,22 +144,26 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns fp32 logits for the rows in logits_indices."""
-        c = self.config
-        T = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
-        cos = self.rope.cos[positions].unsqueeze(1)
-        sin = self.rope.sin[positions].unsqueeze(1)
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["in_norm"], c.rms_norm_eps)
-            qkv = F.linear(h, w["qkv"], w["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rope.apply(q.view(T, c.num_heads, c.head_dim), cos, sin)
-            k = self.rope.apply(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.reshape(T, c.num_kv_heads, c.head_dim)
-            a = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
-            x = x + F.linear(a.view(T, self.q_size), w["o"])
-            h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-            gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down"])
-        x = rms_norm(x[logits_indices], self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        rope = self.rope.tables(positions)
+        for i, layer in enumerate(self.layers):
+            x = self._layer(layer, x, rope, meta, kv.kv[i])
+        x = rms_norm(x[logits_indices], self.norm, self.config.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    def _layer(self, w: DecoderLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """One decoder layer; updates x (the residual stream, [T, hidden]) in place."""
+        c = self.config
+        T = x.shape[0]
+        qkv = w.qkv(rms_norm(x, w.in_norm, c.rms_norm_eps))
+        # q and k are rotated together, in place in the qkv buffer; k and v then sit side by
+        # side as [T, 2, KVH, D], exactly the cache's layout.
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+        self.rope.apply_(qk, *rope)
+        q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)
+        new_kv = qkv[:, self.q_size:].view(T, 2, c.num_kv_heads, c.head_dim)
+        x += w.o(paged_attention(q, new_kv, kv_cache, meta, self.scale))
+        gate, up = w.gate_up(rms_norm(x, w.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        x += w.down(F.silu(gate).mul_(up))
+        return x
