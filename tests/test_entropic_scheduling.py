@@ -18,10 +18,11 @@ def fake_entropy(history: list[int]) -> float:
     return (next_token(history + [7]) % 40) / 10.0
 
 
-def setup(num_blocks, max_num_seqs=4, budget=32, max_wait=8, **cfg):
+def setup(num_blocks, max_num_seqs=4, budget=32, max_wait=8, min_residency=0, **cfg):
     clock = EntropicClock()
     policy = EntropicPolicy(clock, CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget,
-                            EntropicSchedulingConfig(max_wait=max_wait, **cfg))
+                            EntropicSchedulingConfig(max_wait=max_wait,
+                                                     min_residency=min_residency, **cfg))
     sched, pool, runner = make_scheduler(num_blocks, max_num_seqs=max_num_seqs, budget=budget,
                                          policy=policy)
     return sched, pool, runner, clock, policy
@@ -99,12 +100,14 @@ workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integer
 
 @settings(max_examples=120, deadline=None)
 @given(workload, st.integers(10, 30), st.integers(1, 4), st.integers(4, 40),
-       st.integers(1, 12))
-def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait):
-    """Random arrivals: every unfinished request is served at least every max_wait + Q * P
-    steps (Q = unfinished requests, P = longest prefill in steps), blocks never leak, and since the fake model is greedy,
+       st.integers(1, 12), st.integers(0, 10))
+def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait,
+                                           residency):
+    """Random arrivals: every unfinished request is served at least every
+    max_wait + Q * max(min_residency, P) steps (Q = unfinished requests, P = longest prefill in steps), blocks never leak, and since the fake model is greedy,
     every request gets the same tokens as under FCFS."""
-    sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait)
+    sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait,
+                                               residency)
     fifo, fpool, frunner = make_scheduler(num_blocks, max_num_seqs=max_seqs, budget=budget)
     fits = [(t, p, m) for t, p, m in reqs if -(-(p + m) // 4) <= num_blocks]
     prefill_steps = -(-max((p + m for _, p, m in fits), default=1) // budget)
@@ -125,7 +128,7 @@ def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, m
             if s == 0:
                 _, touched = step(sch, run, clock)
                 for r in sch.requests.values():
-                    bound = max_wait + q_max * prefill_steps
+                    bound = max_wait + q_max * max(residency, prefill_steps)
                     assert sch.step_count - r.last_served_step <= bound
             else:
                 out = sch.schedule()

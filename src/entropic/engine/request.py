@@ -51,6 +51,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
         self.outputs_at_admission = 0  # output tokens it had when last admitted
+        self.admitted_step = 0  # scheduler step of its last admission
 
     @property
     def num_tokens(self) -> int:

@@ -79,7 +79,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_count = 0
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # all preemptions, displacements included
+        self.num_displacements = 0
         self._finished_since_step: list[str] = []
 
     # ---- queue operations -------------------------------------------------------------
@@ -182,6 +183,7 @@ class Scheduler:
             victim = self.policy.choose_victim(later, self.step_count)
             if not self.policy.displace(req, victim, self.step_count):
                 return False
+            self.num_displacements += 1
             self._preempt(victim, out)
             preempted.add(victim.request_id)
             later.remove(victim)
@@ -191,6 +193,7 @@ class Scheduler:
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         req.outputs_at_admission = req.num_output_tokens
+        req.admitted_step = self.step_count
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
