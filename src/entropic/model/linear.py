@@ -33,20 +33,54 @@ class PackedLinear(Linear):
     """y = x @ weight.T (+ bias) through oneDNN with the weight reordered once (CPU only).
 
     The packed tensor is opaque (only `_linear_pointwise` can read it), so the plain
-    weight is not kept: a tied embedding keeps its own plain copy for the lookup."""
+    weight is not kept: a tied embedding keeps its own plain copy for the lookup.
+
+    Batch invariance: a row's result should not depend on the other rows of its call, or a
+    request's tokens would depend on who shares its step. oneDNN keeps every row's numbers
+    for any M >= 2, but for some shapes (here in_features = 1536) its one-row kernel sums
+    in another order; for those a lone row is run as two (~6 us more per call)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
         # batch_size=1 picks the layout for decode; it serves any batch size, bit-identically.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=1)
         self._numel = weight.numel()
+        self._pad_single_row = _single_row_kernel_differs(self.weight, bias, self.in_features)
 
     @property
     def numel(self) -> int:
         return self._numel + (self.bias.numel() if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self._pad_single_row and x.shape[0] == 1 and x.dim() == 2:
+            return _packed_mm(torch.cat((x, x)), self.weight, self.bias)[:1]
+        return _packed_mm(x, self.weight, self.bias)
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# (out_features, in_features, dtype, has bias) -> does the one-row kernel round differently
+_SINGLE_ROW_DIFFERS: dict[tuple, bool] = {}
+
+
+def _single_row_kernel_differs(packed: torch.Tensor, bias: torch.Tensor | None,
+                               in_features: int, rows: int = 32) -> bool:
+    """Whether oneDNN's one-row product rounds differently from its batched one for this
+    shape; oneDNN picks its kernel by shape, not by values, so it is probed once per shape.
+    Output rounding hides most summation-order differences, so the probe's inputs span a
+    wide range of magnitudes: then a different order shows on several of `rows` rows."""
+    key = (packed.shape[0], in_features, packed.dtype, bias is not None)
+    if key not in _SINGLE_ROW_DIFFERS:
+        gen = torch.Generator().manual_seed(0)
+        scale = torch.exp2(torch.randint(-8, 9, (rows, in_features), generator=gen).float())
+        x = (torch.randn(rows, in_features, generator=gen) * scale).to(packed.dtype)
+        batched = _packed_mm(x, packed, bias)
+        _SINGLE_ROW_DIFFERS[key] = any(
+            not torch.equal(_packed_mm(x[r:r + 1].clone(), packed, bias)[0], batched[r])
+            for r in range(rows))
+    return _SINGLE_ROW_DIFFERS[key]
 
 
 def can_pack(weight: torch.Tensor) -> bool:
