@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from entropic import LLM, SamplingParams  # noqa: E402
-from entropic.bench.datasets import load_sharegpt_prompts  # noqa: E402
+from entropic.bench.datasets import chat_prompt_ids  # noqa: E402
 from entropic.control.estimators import ExactEntropy, TopKEntropy, TopKTailEntropy  # noqa: E402
 
 
@@ -68,14 +68,7 @@ def main() -> None:
         args.prompts, args.max_tokens, args.repeats = 16, 16, 5
     probe = LogitsProbe()
     llm = LLM(processors=[probe])
-    tok = llm.tokenizer
-    prompts = []
-    for rec in load_sharegpt_prompts():
-        ids = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}])
-        if len(ids) <= 512:
-            prompts.append(ids)
-        if len(prompts) == args.prompts:
-            break
+    prompts = chat_prompt_ids(llm.tokenizer, args.prompts)
     llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0))
     logits = torch.cat(probe.rows)
     exact_fn = ExactEntropy()

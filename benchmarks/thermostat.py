@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from entropic import LLM, SamplingParams, ThermostatParams  # noqa: E402
-from entropic.bench.datasets import load_sharegpt_prompts  # noqa: E402
+from entropic.bench.datasets import chat_prompt_ids  # noqa: E402
 from entropic.control.estimators import ExactEntropy  # noqa: E402
 
 COLLAPSE = 0.05
@@ -107,14 +107,7 @@ def main() -> None:
 
     probe = TemperedEntropyProbe()
     llm = LLM(processors=[probe])
-    tok = llm.tokenizer
-    prompts = []
-    for rec in load_sharegpt_prompts():
-        ids = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}])
-        if len(ids) <= 512:
-            prompts.append(ids)
-        if len(prompts) == args.prompts:
-            break
+    prompts = chat_prompt_ids(llm.tokenizer, args.prompts)
     cfgs = configs(args.targets)
     mid_target = statistics.median(args.targets)
     results, traces = {}, {}

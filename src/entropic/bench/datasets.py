@@ -37,3 +37,15 @@ def load_sharegpt_prompts(n: int | None = None, path: str | Path | None = None) 
     if n is not None and len(rows) < n:
         raise ValueError(f"{src} holds {len(rows)} records, {n} requested")
     return rows
+
+
+def chat_prompt_ids(tokenizer, n: int, max_tokens: int = 512) -> list[list[int]]:
+    """The first n ShareGPT first turns, chat-templated to token ids, of at most max_tokens."""
+    out: list[list[int]] = []
+    for rec in load_sharegpt_prompts():
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}])
+        if len(ids) <= max_tokens:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
