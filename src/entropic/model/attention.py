@@ -123,10 +123,13 @@ def _prefill_chunk(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, p:
     num_heads, head_dim = q.shape[1:]
     sl = slice(p.token_offset, p.token_offset + p.q_len)
     ctx = kv[sl] if p.slots is None else kv_cache.index_select(0, p.slots)
-    rep = num_heads // ctx.shape[2]
-    qp = q[sl].transpose(0, 1)  # [H, q, D]
-    kp = ctx[:, 0].transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, ctx, D]
-    vp = ctx[:, 1].transpose(0, 1).repeat_interleave(rep, dim=0)
+    # 4-D [1, heads, len, D] selects the flash kernel; 3-D inputs fall back to the math one,
+    # which materialises every score (5x slower at 2k tokens). In fp32, as the math kernel
+    # computes too (the bf16 flash kernel would round probabilities to bf16): the same
+    # numbers up to summation order, and as fast as bf16 flash here.
+    qp = q[sl].transpose(0, 1)[None].float()
+    kp = ctx[:, 0].transpose(0, 1)[None].float()
+    vp = ctx[:, 1].transpose(0, 1)[None].float()
     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
-                                        scale=scale)
-    return op.transpose(0, 1).reshape(p.q_len, num_heads * head_dim)
+                                        scale=scale, enable_gqa=True)
+    return op[0].transpose(0, 1).reshape(p.q_len, num_heads * head_dim).to(q.dtype)
