@@ -119,3 +119,43 @@ def test_greedy_batched_matches_reference(llm_fp32, reference_greedy, concurrenc
     for start in range(0, len(refs), concurrency):
         outs += llm_fp32.generate([p for p, _, _ in refs[start:start + concurrency]], GREEDY)
     assert _check(outs, refs) >= 16
+
+
+def test_prompt_logprobs_match_reference_across_chunks(llm_fp32, hf_reference, chat_prompts):
+    """Teacher-forced prompt scores (for echo / log-likelihood evaluation) equal the
+    reference's log-softmax at every prompt position, with the prompts split into chunks."""
+    prompts = [chat_prompts[2], chat_prompts[6]]
+    sched = llm_fp32.engine.scheduler
+    old = sched.max_num_batched_tokens
+    sched.max_num_batched_tokens = 40
+    try:
+        outs = llm_fp32.generate(prompts, SamplingParams(max_tokens=2, temperature=0,
+                                                         prompt_logprobs=3))
+    finally:
+        sched.max_num_batched_tokens = old
+    for p, o in zip(prompts, outs):
+        pl = o.prompt_logprobs
+        assert pl is not None and len(pl) == len(p) and pl[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_reference(torch.tensor([p])).logits[0].float(), -1)
+        want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+        got = torch.tensor([e.logprob for e in pl[1:]])
+        assert [e.token_id for e in pl[1:]] == p[1:]
+        assert torch.allclose(got, want, atol=2e-3), (got - want).abs().max()
+        top = ref.topk(3, -1)
+        for i, e in enumerate(pl[1:]):
+            assert len(e.top) == 3
+            assert max(e.top.values()) == pytest.approx(top.values[i, 0].item(), abs=2e-3)
+
+
+def test_prompt_logprobs_are_not_duplicated_by_preemption(llm_fp32, chat_prompts):
+    eng = llm_fp32.engine
+    p = chat_prompts[4]
+    eng.add_request("plp", p, SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0))
+    eng.step()
+    eng.step()
+    req = eng.scheduler.requests["plp"]
+    eng.scheduler._preempt(req, eng.scheduler.schedule())  # force a recompute
+    (out,) = [o for o in eng.run_until_done() if o.request_id == "plp"]
+    assert len(out.prompt_logprobs) == len(p)
+    assert all(e.top == {} for e in out.prompt_logprobs[1:])

@@ -13,6 +13,7 @@ from entropic.sampling_params import SamplingParams
     ({"min_p": -0.1}, "min_p"),
     ({"top_k": -5}, "top_k"),
     ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])

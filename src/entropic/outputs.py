@@ -89,6 +89,7 @@ class RequestOutput:
     entropies: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, score of token 1, ...]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None
     finished: bool = False

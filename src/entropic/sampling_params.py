@@ -47,6 +47,8 @@ class SamplingParams:
     those filters. `seed` makes sampling reproducible whatever else runs in the batch.
     `logprobs=n` returns the chosen token's log-probability and the n most likely
     alternatives at every step (under the model's temperature-1 distribution).
+    `prompt_logprobs=n` does the same for the prompt: each prompt token after the first gets
+    its log-probability given the tokens before it (what log-likelihood evaluation needs).
     `thermostat` replaces the fixed temperature by the entropy controller (see
     ThermostatParams); `temperature` is then its starting value.
     """
@@ -62,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     thermostat: ThermostatParams | None = None
 
@@ -100,6 +103,10 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= 20:
+                raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
         if self.thermostat is not None:
             if isinstance(self.thermostat, dict):

@@ -169,7 +169,7 @@ class LLMEngine:
         result: ModelOutput = self.runner.execute(sched)
         done = time.perf_counter()
         self._account(sched, done - now)
-        touched = self.scheduler.update(sched, result.sampled, done)
+        touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores)
         self.stats.steps += 1
         self.stats.computed_tokens += result.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -216,6 +216,8 @@ class LLMEngine:
             entropies=list(req.entropies),
             temperatures=list(req.temperatures),
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
+                             and len(req.prompt_logprobs) == req.num_prompt_tokens else None),
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
             finished=finished,

@@ -4,14 +4,15 @@ The runner never touches queues; the scheduler never touches tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from entropic.engine.scheduler import SampledToken, SchedulerOutput, ScheduledChunk
+from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
+                                       ScheduledChunk)
 from entropic.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from entropic.model.llama import LlamaModel
-from entropic.sampling.sampler import Sampler, SamplingBatch
+from entropic.sampling.sampler import Sampler, SamplingBatch, score_tokens
 
 
 # Fixed cost of one more decode group, in padded context positions: the group's extra
@@ -50,6 +51,7 @@ class ModelOutput:
     sampled: dict[str, SampledToken]
     num_tokens: int
     logits: torch.Tensor | None = None  # [S, V] fp32, rows in the order of sampled requests
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -82,12 +84,16 @@ class ModelRunner:
         self._add_decode_groups(meta, decodes)
         ids = [t for c in chunks for t in c.token_ids]
         pos = [p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)]
-        # logits only for rows that sample: the last token of their chunk
-        ends, idx = [], 0
+        # logits only for rows that sample (the last token of their chunk), then for the
+        # rows that score prompt tokens
+        ends, scored, idx = [], [], 0
         for c in chunks:
+            if c.score_targets:
+                scored.extend(range(idx, idx + len(c.score_targets)))
             idx += c.num_tokens
             if c.sample:
                 ends.append(idx - 1)
+        ends += scored
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         logits_idx = torch.tensor(ends, dtype=torch.long, device=dev)
@@ -146,6 +152,8 @@ class ModelRunner:
         chunks, input_ids, positions, meta, logits_idx = self.prepare(out)
         logits = self.model.forward(input_ids, positions, meta, self.kv, logits_idx)
         samplers = [c for c in chunks if c.sample]
+        scores = self._score_prompts(chunks, logits[len(samplers):])
+        logits = logits[:len(samplers)]
         sampled: dict[str, SampledToken] = {}
         if samplers:
             batch = SamplingBatch([c.request_id for c in samplers], [c.params for c in samplers],
@@ -165,4 +173,26 @@ class ModelRunner:
                     st.top_logprobs = dict(zip(tids[i][:n], tlps[i][:n])) if n else {}
                 sampled[c.request_id] = st
         return ModelOutput(sampled, int(input_ids.shape[0]),
-                           logits if self.keep_logits else None)
+                           logits if self.keep_logits else None, scores)
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor
+                       ) -> dict[str, PromptScores]:
+        """Teacher-forced log-probabilities of each chunk's score_targets (rows of `logits`
+        in chunk order)."""
+        wanted = [c for c in chunks if c.score_targets]
+        if not wanted:
+            return {}
+        targets = torch.tensor([t for c in wanted for t in c.score_targets], device=self.device)
+        n_top = max(c.params.prompt_logprobs or 0 for c in wanted)
+        s = score_tokens(logits, targets, n_top)
+        lps = s.logprobs.tolist()
+        tids = s.top_ids.tolist() if n_top else None
+        tlps = s.top_logprobs.tolist() if n_top else None
+        out, i = {}, 0
+        for c in wanted:
+            j = i + len(c.score_targets)
+            n = c.params.prompt_logprobs or 0
+            top = [dict(zip(a[:n], b[:n])) for a, b in zip(tids[i:j], tlps[i:j])] if n else None
+            out[c.request_id] = PromptScores(lps[i:j], top)
+            i = j
+        return out

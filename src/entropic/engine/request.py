@@ -48,6 +48,9 @@ class Request:
         self.temperatures: list[float] = []
         self.cost = Cost()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # entry i scores prompt token i given the tokens before it; token 0 has no score
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.stop_reason: str | int | None = None
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
         self.outputs_at_admission = 0  # output tokens it had when last admitted

@@ -28,6 +28,10 @@ class ScheduledChunk:
     sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
     params: SamplingParams
     num_output_tokens: int  # output tokens before this step's sample (for seeded sampling)
+    # Prompt tokens to score by teacher forcing: row j of the chunk predicts score_targets[j]
+    # (the prompt token after it). Set when the request asked for prompt logprobs that are
+    # not recorded yet; None otherwise.
+    score_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +65,14 @@ class SampledToken:
     temperature: float = 0.0
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class PromptScores:
+    """Teacher-forced scores of one chunk's `score_targets`."""
+
+    logprobs: list[float]
+    top: list[dict[int, float]] | None = None
 
 
 class Scheduler:
@@ -157,8 +169,18 @@ class Scheduler:
                 sample=start + n == req.num_tokens,
                 params=req.params,
                 num_output_tokens=req.num_output_tokens,
+                score_targets=self._score_targets(req, start, n),
             ))
         return out
+
+    @staticmethod
+    def _score_targets(req: Request, start: int, n: int) -> list[int] | None:
+        """The prompt tokens this chunk predicts, if the request wants prompt logprobs that
+        are not recorded yet (a recompute after preemption does not score them twice)."""
+        have = req.prompt_logprobs
+        if have is None or len(have) != start + 1 or start + 1 >= req.num_prompt_tokens:
+            return None
+        return req.token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
 
     def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
               preempted: set[str]) -> bool:
@@ -208,7 +230,8 @@ class Scheduler:
         out.preempted_ids.append(req.request_id)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
-               now: float) -> list[Request]:
+               now: float, prompt_scores: dict[str, PromptScores] | None = None
+               ) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
 
         Returns the requests that received a token this step (finished ones included)."""
@@ -218,6 +241,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
             req.num_computed_tokens += chunk.num_tokens
+            if chunk.score_targets is not None and prompt_scores:
+                self._record_prompt(req, chunk, prompt_scores[chunk.request_id])
             if not chunk.sample:
                 continue
             s = sampled[chunk.request_id]
@@ -227,6 +252,12 @@ class Scheduler:
             if status is not None:
                 self.finish(req.request_id, status)
         return touched
+
+    @staticmethod
+    def _record_prompt(req: Request, chunk: ScheduledChunk, scores: PromptScores) -> None:
+        top = scores.top or [{}] * len(scores.logprobs)
+        req.prompt_logprobs.extend(TokenLogprob(t, lp, alt) for t, lp, alt in
+                                   zip(chunk.score_targets, scores.logprobs, top))
 
     @staticmethod
     def _append(req: Request, s: SampledToken, now: float) -> None:

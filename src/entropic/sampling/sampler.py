@@ -68,6 +68,33 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return h
 
 
+@dataclass
+class TokenScores:
+    """Log-probabilities of given target tokens (teacher forcing), with top alternatives."""
+
+    logprobs: torch.Tensor  # [N] logprob of each target under softmax(logits)
+    top_ids: torch.Tensor | None  # [N, n]
+    top_logprobs: torch.Tensor | None  # [N, n]
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, n_top: int = 0,
+                 rows_per_pass: int = 256) -> TokenScores:
+    """log p(target) per row of `logits` [N, V] and the n_top most likely alternatives.
+
+    Rows are taken `rows_per_pass` at a time so that a long prompt never materialises
+    more than one slab of fp32 log-probabilities."""
+    lps, tids, tlps = [], [], []
+    for i in range(0, logits.shape[0], rows_per_pass):
+        logp = torch.log_softmax(logits[i:i + rows_per_pass].float(), dim=-1)
+        lps.append(logp.gather(1, targets[i:i + rows_per_pass, None]).squeeze(1))
+        if n_top:
+            v, ix = logp.topk(n_top, dim=-1)
+            tlps.append(v)
+            tids.append(ix)
+    return TokenScores(torch.cat(lps), torch.cat(tids) if n_top else None,
+                       torch.cat(tlps) if n_top else None)
+
+
 def _check_logits(logits: torch.Tensor) -> None:
     """Raise on NaN anywhere or on a row with no finite value."""
     # One cheap pass: a row max is finite unless the row has a NaN, +inf, or only -inf;
