@@ -42,3 +42,16 @@ def test_explicit_path(tmp_path):
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert load_sharegpt_prompts(path=p) == recs
     assert load_sharegpt_prompts(2, path=str(p)) == recs[:2]
+
+
+def test_ablation_task_data_loads_whole():
+    from entropic.bench.datasets import load_aclsum, load_strategyqa, load_xsum
+    xs, acl, sqa = load_xsum(), load_aclsum(), load_strategyqa()
+    assert len(xs) == 48 and len(acl) == 16 and len(sqa) == 200
+    assert all(r["article"].strip() and r["reference"].strip() for r in xs)
+    assert all(r["document"].strip() and r["reference"].strip() for r in acl)
+    assert all(len(r["document"]) <= 6000 for r in acl)
+    assert {r["answer"] for r in sqa} == {"yes", "no"}
+    assert load_xsum(5) == xs[:5]
+    with pytest.raises(ValueError):
+        load_aclsum(17)

@@ -9,6 +9,9 @@ from importlib import resources
 from pathlib import Path
 
 SHAREGPT_FILE = "sharegpt_first_turns.jsonl"
+XSUM_FILE = "xsum_articles.jsonl"
+ACLSUM_FILE = "aclsum_papers.jsonl"
+STRATEGYQA_FILE = "strategyqa.jsonl"
 
 
 def _packaged(name: str) -> Path:
@@ -24,9 +27,32 @@ def load_sharegpt_prompts(n: int | None = None, path: str | Path | None = None) 
     a silently shorter list. ``path`` reads another file of the same format instead of the
     packaged one.
     """
+    return _read_jsonl(Path(path) if path is not None else _packaged(SHAREGPT_FILE), n)
+
+
+def load_xsum(n: int | None = None) -> list[dict]:
+    """BIG-bench gem/xsum news articles: dicts with ``id``, ``article``, ``reference`` (the
+    one-sentence reference summary), in file order."""
+    return _read_jsonl(_packaged(XSUM_FILE), n)
+
+
+def load_aclsum(n: int | None = None) -> list[dict]:
+    """ACLSum test papers (abstract, introduction, conclusion; cut at ~6,000 characters):
+    dicts with ``id``, ``title``, ``document``, ``reference`` (challenge, approach and
+    outcome summaries joined), in file order."""
+    return _read_jsonl(_packaged(ACLSUM_FILE), n)
+
+
+def load_strategyqa(n: int | None = None) -> list[dict]:
+    """BIG-bench strategyqa yes/no questions: dicts with ``id``, ``question``, ``answer``
+    ("yes" or "no"), in file order."""
+    return _read_jsonl(_packaged(STRATEGYQA_FILE), n)
+
+
+def _read_jsonl(src: Path, n: int | None) -> list[dict]:
+    """The first n records of a JSONL file (all when None); fewer than n is an error."""
     if n is not None and n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    src = Path(path) if path is not None else _packaged(SHAREGPT_FILE)
     rows: list[dict] = []
     with open(src, encoding="utf-8") as f:
         for line in f:
