@@ -9,6 +9,7 @@ import torch
 
 from entropic.config import EngineConfig, resolve_dtype
 from entropic.control.clock import EntropicClock
+from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.control.thermostat import Thermostat
 from entropic.engine.cost import CostModel
@@ -32,6 +33,9 @@ class LLM:
     gives full precision. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
     `scheduling` is "fcfs" (default) or "entropic" (priority by expected entropy reduction
     per unit cost, with aging; tuned by `scheduling_config`); `policy` overrides both.
+    `pruning` (a PruningConfig; None, the default, is dense attention) lets decode steps
+    attend only the KV blocks whose entropic contribution clears an entropy-dependent
+    threshold, and optionally evict blocks under memory pressure.
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
@@ -42,6 +46,7 @@ class LLM:
                  scheduling: str = "fcfs",
                  scheduling_config: EntropicSchedulingConfig | None = None,
                  policy: SchedulingPolicy | None = None,
+                 pruning: PruningConfig | None = None,
                  processors: Sequence[LogitsProcessor] = ()) -> None:
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
@@ -50,6 +55,8 @@ class LLM:
         torch_dtype = resolve_dtype(dtype)
         if scheduling not in ("fcfs", "entropic"):
             raise ValueError(f"scheduling must be 'fcfs' or 'entropic', got {scheduling!r}")
+        if pruning is not None and not isinstance(pruning, PruningConfig):
+            raise TypeError(f"pruning must be a PruningConfig or None, got {type(pruning).__name__}")
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -68,8 +75,9 @@ class LLM:
                                     config.resolve_num_blocks(ckpt.config, torch_dtype),
                                     block_size, max_num_seqs, max_num_batched_tokens,
                                     scheduling_config)
+        self.pruner = EntropicBlockPruner(pruning, block_size) if pruning is not None else None
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
-                                [self.thermostat, *processors], self.clock)
+                                [self.thermostat, *processors], self.clock, self.pruner)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()
 

@@ -8,14 +8,16 @@ from typing import Protocol, Sequence
 import torch
 
 from entropic.config import EngineConfig, ModelConfig
+from entropic.engine.block_policy import KVBlockPolicy, decode_context_length
 from entropic.engine.block_pool import BlockPool
-from entropic.engine.cost import Cost, CostModel, dense_work
+from entropic.engine.cost import ChunkWork, Cost, CostModel, dense_work
+from entropic.engine.kv_manager import EVICTED
 from entropic.engine.detokenizer import IncrementalDetokenizer
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.model_runner import ModelOutput, ModelRunner
 from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
-from entropic.engine.scheduler import Scheduler, SchedulerOutput
+from entropic.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from entropic.model.llama import LlamaModel
 from entropic.outputs import EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
@@ -49,6 +51,16 @@ class EngineStats:
     aborted: int = 0
     cost: Cost = field(default_factory=Cost)
     tau: float = 0.0  # engine-wide entropic time, when a clock observes the engine
+    # decode steps under a block policy: blocks they could attend (live) and did attend
+    decode_blocks_live: int = 0
+    decode_blocks_attended: int = 0
+    blocks_evicted: int = 0
+
+    @property
+    def pruned_fraction(self) -> float:
+        """Share of the live KV blocks that decode steps skipped."""
+        live = self.decode_blocks_live
+        return 1.0 - self.decode_blocks_attended / live if live else 0.0
 
     @property
     def tau_per_tflop(self) -> float:
@@ -63,13 +75,15 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     Hooks (all default to a plain engine): `policy` orders queues and picks preemption
-    victims; `processors` are sampler-chain elements; `observer` sees every token's entropy.
+    victims; `processors` are sampler-chain elements; `observer` sees every token's entropy;
+    `block_policy` chooses the KV blocks each decode attends and may evict blocks.
     """
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
                  policy: SchedulingPolicy | None = None,
                  processors: Sequence[LogitsProcessor] = (),
-                 observer: TokenObserver | None = None) -> None:
+                 observer: TokenObserver | None = None,
+                 block_policy: KVBlockPolicy | None = None) -> None:
         self.model = model
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -80,7 +94,8 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, mc.eos_token_ids, policy)
+                                   self.max_model_len, mc.eos_token_ids, policy, block_policy)
+        self.block_policy = block_policy
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(processors))
         self.stats = EngineStats()
         self.observer = observer
@@ -143,9 +158,14 @@ class LLMEngine:
         req.metrics.finished_time = time.perf_counter()
         det = self._detok.pop(request_id)
         out = self._output(req, det, [], "")
-        if self.observer is not None:
-            self.observer.release([request_id])
+        self._release([request_id])
         return out
+
+    def _release(self, request_ids: list[str]) -> None:
+        if self.observer is not None:
+            self.observer.release(request_ids)
+        if self.block_policy is not None:
+            self.block_policy.release(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -170,6 +190,8 @@ class LLMEngine:
         done = time.perf_counter()
         self._account(sched, done - now)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores)
+        if self.block_policy is not None:
+            self._observe_blocks(sched, result)
         self.stats.steps += 1
         self.stats.computed_tokens += result.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -190,16 +212,53 @@ class LLMEngine:
                 self.stats.finished += 1
                 del self._detok[req.request_id]
             outputs.append(self._output(req, det, new, delta))
-            if obs is not None and req.status.finished:
-                obs.release([req.request_id])
+            if req.status.finished:
+                self._release([req.request_id])
         if obs is not None:
             self.stats.tau = obs.tau_total
         return outputs
 
+    def _observe_blocks(self, sched: SchedulerOutput, result: ModelOutput) -> None:
+        """Feed the block policy each chunk's token surprisals and attention mass."""
+        for c in sched.chunks:
+            req = self.scheduler.requests.get(c.request_id)
+            if req is None and c.request_id not in result.sampled:
+                continue  # aborted
+            positions, surprisal = [], []
+            ps = result.prompt_scores.get(c.request_id)
+            if ps is not None:
+                positions += range(c.start_pos + 1, c.start_pos + 1 + len(ps.logprobs))
+                surprisal += [-lp for lp in ps.logprobs]
+            st = result.sampled.get(c.request_id)
+            if st is not None and st.logprob is not None:
+                positions.append(c.start_pos + c.num_tokens)
+                surprisal.append(-st.logprob)
+            mass = result.block_mass.get(c.request_id)
+            attended = None
+            if mass is not None:
+                attended = (c.attend_blocks if c.attend_blocks is not None
+                            else list(range(len(mass))))
+            if req is not None:
+                self.block_policy.observe(req, positions, surprisal, attended, mass)
+        self.stats.blocks_evicted = self.scheduler.num_evicted_blocks
+
+    def _work(self, c: ScheduledChunk) -> ChunkWork:
+        """What a chunk computed: dense causal attention, or a decode over chosen blocks."""
+        bs = self.config.block_size
+        if self.block_policy is not None and c.num_tokens == 1 and c.start_pos > 0:
+            num = c.start_pos // bs + 1
+            self.stats.decode_blocks_live += sum(b != EVICTED for b in c.block_table[:num])
+            self.stats.decode_blocks_attended += (num if c.attend_blocks is None
+                                                  else len(c.attend_blocks))
+        if c.attend_blocks is None:
+            return dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample)
+        n = decode_context_length(c.attend_blocks, c.start_pos, bs)
+        return ChunkWork(c.request_id, 1, c.sample, n, n)
+
     def _account(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Charge each request the cost of what it computed this step (dense attention)."""
-        work = [dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample)
-                for c in sched.chunks]
+        """Charge each request the cost of what it computed this step: the positions its
+        attention actually read (fewer when a decode attends chosen blocks only)."""
+        work = [self._work(c) for c in sched.chunks]
         for rid, cost in self.cost_model.step_costs(work, seconds).items():
             self.scheduler.requests[rid].cost.add(cost)
             self.stats.cost.add(cost)

@@ -1,7 +1,12 @@
-"""Per-request KV bookkeeping over the block pool: block tables grown on demand."""
+"""Per-request KV bookkeeping over the block pool: block tables grown on demand.
+
+A table entry can be EVICTED: the block was given back to the pool for good (KV-block
+pruning under memory pressure) and the positions it held are never attended again."""
 from __future__ import annotations
 
 from entropic.engine.block_pool import BlockPool
+
+EVICTED = -1
 
 
 class KVCacheManager:
@@ -37,13 +42,28 @@ class KVCacheManager:
         """Return all of the request's blocks to the pool (no-op if it holds none)."""
         table = self._tables.pop(request_id, None)
         if table:
-            self.pool.free(table)
+            self.pool.free([b for b in table if b != EVICTED])
+
+    def evict(self, request_id: str, index: int) -> None:
+        """Give block `index` of the request's table back to the pool for good."""
+        table = self._tables[request_id]
+        if table[index] == EVICTED:
+            raise ValueError(f"block {index} of request {request_id!r} is already evicted")
+        self.pool.free([table[index]])
+        table[index] = EVICTED
+
+    def live_indices(self, request_id: str) -> list[int]:
+        """Indices of the table entries not evicted."""
+        return [i for i, b in enumerate(self._tables.get(request_id, ())) if b != EVICTED]
+
+    def num_evicted(self, request_id: str) -> int:
+        return sum(b == EVICTED for b in self._tables.get(request_id, ()))
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def num_blocks_held(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
+        return sum(b != EVICTED for b in self._tables.get(request_id, ()))
 
     @property
     def num_tracked(self) -> int:

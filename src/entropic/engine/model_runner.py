@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from entropic.engine.block_policy import decode_context_length
 from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
                                        ScheduledChunk)
 from entropic.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
@@ -52,6 +53,7 @@ class ModelOutput:
     num_tokens: int
     logits: torch.Tensor | None = None  # [S, V] fp32, rows in the order of sampled requests
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
+    block_mass: dict[str, list[float]] = field(default_factory=dict)  # per attended block
 
 
 class ModelRunner:
@@ -109,23 +111,56 @@ class ModelRunner:
         offsets = torch.arange(bs, dtype=torch.long, device=self.device)
         return (blocks[:, :, None] * bs + offsets).view(len(block_tables), nb * bs)[:, :length]
 
+    def _decode_context(self, c: ScheduledChunk) -> tuple[list[int], int]:
+        """The block ids a decode row reads, and how many KV positions."""
+        if c.attend_blocks is None:
+            return c.block_table, c.start_pos + 1
+        return ([c.block_table[i] for i in c.attend_blocks],
+                decode_context_length(c.attend_blocks, c.start_pos, self.block_size))
+
     def _add_decode_groups(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
         """Split the decode rows, taken in order of context length, into groups padded to
-        their longest; record the order (and its inverse) unless it is the batch order."""
-        order = sorted(range(len(decodes)), key=lambda r: decodes[r].start_pos)
+        their longest; record the order (and its inverse) unless it is the batch order.
+        A row that attends selected blocks only has them gathered, nothing else."""
+        ctxs = [self._decode_context(c) for c in decodes]
+        order = sorted(range(len(decodes)), key=lambda r: ctxs[r][1])
         if order != list(range(len(decodes))):
             meta.decode_order = torch.tensor(order, dtype=torch.long, device=self.device)
             meta.decode_restore = torch.argsort(meta.decode_order)
-        rows = [decodes[r] for r in order]
-        lengths = [c.start_pos + 1 for c in rows]
+        lengths = [ctxs[r][1] for r in order]
         for start, end in split_by_length(lengths, DECODE_GROUP_OVERHEAD):
             ctx = lengths[end - 1]
-            slots = self._slot_table([c.block_table for c in rows[start:end]], ctx)
-            mask = None
+            slots = self._slot_table([ctxs[r][0] for r in order[start:end]], ctx)
+            mask = mass = None
             if lengths[start] < ctx:
                 lens = torch.tensor(lengths[start:end], device=self.device)
                 mask = (torch.arange(ctx, device=self.device) < lens[:, None])[:, None, None, :]
-            meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask))
+            if any(decodes[r].collect_attention for r in order[start:end]):
+                mass = torch.zeros(end - start, ctx, dtype=torch.float32, device=self.device)
+            meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask, mass))
+
+    def _block_mass(self, decodes: list[ScheduledChunk], meta: AttentionMetadata
+                    ) -> dict[str, list[float]]:
+        """Per decode row that asked: the attention mass share of each block it attended
+        (summed over layers and heads, then divided by their number)."""
+        order = (meta.decode_order.tolist() if meta.decode_order is not None
+                 else list(range(len(decodes))))
+        cfg = self.model.config
+        bs = self.block_size
+        out = {}
+        for g in meta.decode_groups:
+            if g.mass is None:
+                continue
+            nb = -(-g.ctx // bs)
+            per_block = torch.nn.functional.pad(g.mass, (0, nb * bs - g.ctx)).view(
+                -1, nb, bs).sum(-1).div_(cfg.num_layers * cfg.num_heads).tolist()
+            for k in range(g.start, g.end):
+                c = decodes[order[k]]
+                if c.collect_attention:
+                    n = len(c.attend_blocks) if c.attend_blocks is not None \
+                        else c.start_pos // bs + 1
+                    out[c.request_id] = per_block[k - g.start][:n]
+        return out
 
     def _prefill_chunks(self, prefills: list[ScheduledChunk], offset: int
                         ) -> tuple[list[PrefillChunk], list[torch.Tensor]]:
@@ -162,18 +197,18 @@ class ModelRunner:
             toks = s.token_ids.tolist()
             ents = s.entropies.tolist()
             temps = s.temperatures.tolist()
-            lps = s.logprobs.tolist() if s.logprobs is not None else None
+            lps = s.logprobs.tolist()
             tids = s.top_ids.tolist() if s.top_ids is not None else None
             tlps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
             for i, c in enumerate(samplers):
-                st = SampledToken(toks[i], ents[i], temps[i])
+                st = SampledToken(toks[i], ents[i], temps[i], lps[i])
                 n = c.params.logprobs
                 if n is not None:
-                    st.logprob = lps[i]
                     st.top_logprobs = dict(zip(tids[i][:n], tlps[i][:n])) if n else {}
                 sampled[c.request_id] = st
         return ModelOutput(sampled, int(input_ids.shape[0]),
-                           logits if self.keep_logits else None, scores)
+                           logits if self.keep_logits else None, scores,
+                           self._block_mass(chunks[:meta.num_decode], meta))
 
     def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor
                        ) -> dict[str, PromptScores]:

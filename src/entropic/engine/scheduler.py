@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from entropic.engine.block_policy import KVBlockPolicy
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
@@ -32,6 +33,11 @@ class ScheduledChunk:
     # (the prompt token after it). Set when the request asked for prompt logprobs that are
     # not recorded yet; None otherwise.
     score_targets: list[int] | None = None
+    # A decode that attends only these indices of block_table (ascending, the last block
+    # included); None: its whole context. collect_attention: report the attention mass
+    # each attended block receives.
+    attend_blocks: list[int] | None = None
+    collect_attention: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -80,13 +86,16 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Sequence[int] = (),
-                 policy: SchedulingPolicy | None = None) -> None:
+                 policy: SchedulingPolicy | None = None,
+                 block_policy: KVBlockPolicy | None = None) -> None:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy: SchedulingPolicy = policy or FCFSPolicy()
+        self.block_policy = block_policy
+        self.num_evicted_blocks = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -159,8 +168,9 @@ class Scheduler:
             req.last_served_step = step
             granted.append((req, n))
             budget -= n
-        for req, n in granted:
+        for req, n in granted:  # after every eviction of this step: tables are final
             start = req.num_computed_tokens
+            attend, collect = self._decode_blocks(req, start, n)
             out.chunks.append(ScheduledChunk(
                 request_id=req.request_id,
                 token_ids=req.token_ids[start:start + n],
@@ -170,22 +180,55 @@ class Scheduler:
                 params=req.params,
                 num_output_tokens=req.num_output_tokens,
                 score_targets=self._score_targets(req, start, n),
+                attend_blocks=attend,
+                collect_attention=collect,
             ))
         return out
 
-    @staticmethod
-    def _score_targets(req: Request, start: int, n: int) -> list[int] | None:
+    def _score_targets(self, req: Request, start: int, n: int) -> list[int] | None:
         """The prompt tokens this chunk predicts, if the request wants prompt logprobs that
-        are not recorded yet (a recompute after preemption does not score them twice)."""
+        are not recorded yet (a recompute after preemption does not score them twice), or
+        the block policy wants prompt surprisal."""
+        if start + 1 >= req.num_prompt_tokens:
+            return None
         have = req.prompt_logprobs
-        if have is None or len(have) != start + 1 or start + 1 >= req.num_prompt_tokens:
+        wanted = have is not None and len(have) == start + 1
+        if not wanted and not (self.block_policy is not None
+                               and self.block_policy.wants_prompt_surprisal):
             return None
         return req.token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
 
+    def _decode_blocks(self, req: Request, start: int, n: int) -> tuple[list[int] | None, bool]:
+        """The blocks a decode attends (None: all) and whether to report attention mass."""
+        rid = req.request_id
+        bp = self.block_policy
+        if bp is None or n != 1 or start < req.num_prompt_tokens:
+            if n > 1 and self.kv.num_evicted(rid):
+                raise RuntimeError(f"request {rid!r}: a {n}-token chunk over evicted blocks")
+            return None, False
+        num = start // self.kv.block_size + 1  # blocks holding positions 0..start
+        live = [i for i in self.kv.live_indices(rid) if i < num]
+        attend = bp.select(req, live, num)
+        if attend is None and len(live) < num:
+            attend = live
+        if attend is not None:
+            live_set = set(live)
+            if (not attend or attend[-1] != num - 1 or any(i not in live_set for i in attend)
+                    or any(a >= b for a, b in zip(attend, attend[1:]))):
+                raise RuntimeError(f"block policy chose invalid blocks {attend} for request "
+                                   f"{rid!r} (live {live}, last block {num - 1})")
+            if len(attend) == num:
+                attend = None
+        return attend, bp.wants_attention_mass
+
     def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
               preempted: set[str]) -> bool:
-        """Blocks for a running request's next n tokens, preempting (maybe itself)."""
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+        """Blocks for a running request's next n tokens: evicting blocks if the block policy
+        allows, else preempting (maybe itself)."""
+        need = req.num_computed_tokens + n
+        while not self.kv.allocate(req.request_id, need):
+            if self._evict(self._shortfall(req, need)):
+                continue
             victim = self.policy.choose_victim(later + [req], self.step_count)
             self._preempt(victim, out)
             preempted.add(victim.request_id)
@@ -200,6 +243,8 @@ class Scheduler:
         need = req.num_computed_tokens + n
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(req.request_id,
                                                                             need):
+            if len(self.running) < self.max_num_seqs and self._evict(self._shortfall(req, need)):
+                continue
             if not later:
                 return False
             victim = self.policy.choose_victim(later, self.step_count)
@@ -217,6 +262,24 @@ class Scheduler:
         req.outputs_at_admission = req.num_output_tokens
         req.admitted_step = self.step_count
         return True
+
+    def _shortfall(self, req: Request, num_tokens: int) -> int:
+        """Blocks missing for `req` to hold `num_tokens` tokens."""
+        have = len(self.kv.block_table(req.request_id))
+        return max(1, self.kv.blocks_needed(num_tokens) - have - self.kv.pool.num_free)
+
+    def _evict(self, need: int) -> bool:
+        """Evict up to `need` blocks the block policy offers; True if any were freed."""
+        if self.block_policy is None:
+            return False
+        bs = self.kv.block_size
+        candidates = [(r, [i for i in self.kv.live_indices(r.request_id)
+                           if i < -(-r.num_computed_tokens // bs)]) for r in self.running]
+        pairs = self.block_policy.evict(candidates, need)
+        for rid, index in pairs:
+            self.kv.evict(rid, index)
+        self.num_evicted_blocks += len(pairs)
+        return bool(pairs)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, requeue."""

@@ -25,6 +25,9 @@ class DecodeGroup:
     ctx: int
     slots: torch.Tensor  # [(end - start) * ctx] context slots, row after row; padding: any slot
     mask: torch.Tensor | None  # [end - start, 1, 1, ctx] bool, True = attend; None: no padding
+    # [end - start, ctx] fp32: if given, each layer adds the attention probabilities of
+    # every head at each position (softmax is then computed explicitly, not by SDPA)
+    mass: torch.Tensor | None = None
 
 
 @dataclass
@@ -113,7 +116,15 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup,
     ctx = kv_cache.index_select(0, g.slots).view(n, g.ctx, 2, kv_heads, head_dim)
     kd = ctx[:, :, 0].transpose(1, 2)  # [n, KVH, ctx, D], strided: SDPA reads it in place
     vd = ctx[:, :, 1].transpose(1, 2)
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+    if g.mass is None:
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+    else:
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)  # [n, KVH, rep, ctx]
+        if g.mask is not None:
+            scores.masked_fill_(~g.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        g.mass += probs.sum(dim=(1, 2))
+        od = torch.matmul(probs.to(vd.dtype), vd)
     return od.reshape(n, num_heads * head_dim)
 
 

@@ -34,7 +34,7 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor  # [S] long
     entropies: torch.Tensor  # [S] fp32, nats, of the temperature-1 model distribution
-    logprobs: torch.Tensor | None  # [S] logprob of the chosen token (if any row asked)
+    logprobs: torch.Tensor  # [S] logprob of the chosen token (temperature-1 distribution)
     top_ids: torch.Tensor | None  # [S, n]
     top_logprobs: torch.Tensor | None  # [S, n]
     temperatures: torch.Tensor  # [S] temperature each row was sampled at (0 = greedy)
@@ -138,12 +138,13 @@ class Sampler:
         for proc in self.processors:
             proc.accept(tokens, batch)
 
-        n_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        chosen = top_ids = top_lp = None
-        if n_top is not None:
-            chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-            if n_top > 0:
-                top_lp, top_ids = logp.topk(n_top, dim=-1)
+        # The chosen token's logprob always (its surprisal is a KV-block pruning signal);
+        # the top alternatives only when a row asks.
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+        n_top = max((p.logprobs for p in params if p.logprobs is not None), default=0)
+        top_ids = top_lp = None
+        if n_top > 0:
+            top_lp, top_ids = logp.topk(n_top, dim=-1)
         return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps)
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor,

@@ -1,0 +1,237 @@
+"""Entropic attention pruning over paged KV blocks (SPEC section 4, meso scale).
+
+Each KV block b of a sequence carries an entropic contribution I_b. At a decode step only
+blocks with I_b >= theta_t are attended, theta_t rising as the sequence's entropy H_t falls:
+dense when the model is uncertain, sparse when it is certain. Always attended: the first
+`sink_blocks` blocks, the `recent_blocks` most recent, and at least `min_blocks`.
+
+I_b (the `score` option):
+- "mass": the share of attention the block receives, summed over layers and heads, as an
+  exponential moving average over the decode steps that attended it (H2O's heavy hitters,
+  per block). A step that attends a subset learns only that subset's shares; they are
+  rescaled to the mass the subset held before, so skipped blocks keep comparable values. A
+  dense step every `refresh_interval` decode steps (and the first decode after the prompt)
+  re-measures every block.
+- "surprisal": the mean surprisal -log p of the block's tokens (prompt tokens are scored by
+  teacher forcing, which costs one lm_head row per prompt token).
+- "hybrid": (1 - w) * mass / mean(mass) + w * surprisal / mean(surprisal).
+docs/pruning.md compares them.
+
+theta_t as a budget: the sequence keeps the ceil(rho(H_t) * live) highest-I_b blocks,
+  rho(H) = rho_min + (1 - rho_min) * clip((H - h_low) / (h_high - h_low), 0, 1),
+so theta_t (the lowest I_b kept) rises as H_t falls. H_t is the entropy of the step that
+produced the token being decoded, floored at h_floor (SPEC section 3).
+
+Eviction (`evict=True`): when KV blocks run out, the lowest-I_b unprotected blocks of
+running sequences (I_b relative to the sequence's mean, so that sequences compare) are
+given back to the pool for good instead of preempting a sequence; a sequence keeps at
+least max(min_blocks, ceil(rho_min * blocks)) live blocks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from entropic.engine.request import Request, RequestStatus
+
+SCORES = ("mass", "surprisal", "hybrid")
+
+
+@dataclass(frozen=True)
+class PruningConfig:
+    """Knobs of the block pruner; `LLM(pruning=PruningConfig())` turns it on."""
+
+    score: str = "mass"
+    hybrid_weight: float = 0.5
+    min_keep_fraction: float = 0.25  # rho_min: the sparsest budget, at low entropy
+    h_low: float = 0.5  # nats: at or below, the sparsest budget
+    h_high: float = 3.0  # nats: at or above, dense
+    h_floor: float = 0.0
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+    min_blocks: int = 4
+    refresh_interval: int = 16
+    mass_decay: float = 0.5  # weight of the old value in the moving average
+    evict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"pruning.score must be one of {SCORES}, got {self.score!r}")
+        if not 0.0 <= self.hybrid_weight <= 1.0:
+            raise ValueError(f"pruning.hybrid_weight must be in [0, 1], got {self.hybrid_weight}")
+        if not 0.0 < self.min_keep_fraction <= 1.0:
+            raise ValueError(f"pruning.min_keep_fraction must be in (0, 1], "
+                             f"got {self.min_keep_fraction}")
+        if not 0.0 <= self.h_low < self.h_high:
+            raise ValueError(f"pruning: need 0 <= h_low < h_high, got h_low={self.h_low}, "
+                             f"h_high={self.h_high}")
+        if self.h_floor < 0:
+            raise ValueError(f"pruning.h_floor must be >= 0, got {self.h_floor}")
+        for name in ("sink_blocks", "recent_blocks", "min_blocks", "refresh_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"pruning.{name} must be an integer, got {v!r}")
+        if self.sink_blocks < 0:
+            raise ValueError(f"pruning.sink_blocks must be >= 0, got {self.sink_blocks}")
+        if self.recent_blocks < 1:
+            raise ValueError("pruning.recent_blocks must be >= 1 (the block being written "
+                             f"is always attended), got {self.recent_blocks}")
+        if self.min_blocks < 1:
+            raise ValueError(f"pruning.min_blocks must be >= 1, got {self.min_blocks}")
+        if self.refresh_interval < 1:
+            raise ValueError(f"pruning.refresh_interval must be >= 1, got {self.refresh_interval}")
+        if not 0.0 <= self.mass_decay < 1.0:
+            raise ValueError(f"pruning.mass_decay must be in [0, 1), got {self.mass_decay}")
+
+    def keep_fraction(self, entropy: float) -> float:
+        """rho(H): the share of live blocks kept at entropy H."""
+        h = max(entropy, self.h_floor)
+        x = min(1.0, max(0.0, (h - self.h_low) / (self.h_high - self.h_low)))
+        return self.min_keep_fraction + (1.0 - self.min_keep_fraction) * x
+
+
+@dataclass
+class _Sequence:
+    """What the pruner knows about one sequence's blocks."""
+
+    mass: list[float | None] = field(default_factory=list)
+    surprisal_sum: list[float] = field(default_factory=list)
+    surprisal_count: list[int] = field(default_factory=list)
+    decodes_since_dense: int = 0
+    subset: bool = False  # the last selection attended a subset
+    last_theta: float | None = None
+
+    def grow(self, num_blocks: int) -> None:
+        while len(self.mass) < num_blocks:
+            self.mass.append(None)
+            self.surprisal_sum.append(0.0)
+            self.surprisal_count.append(0)
+
+
+class EntropicBlockPruner:
+    """The KV-block policy of the meso scale (plugs into the engine's `block_policy`)."""
+
+    def __init__(self, config: PruningConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.wants_attention_mass = config.score in ("mass", "hybrid")
+        self.wants_prompt_surprisal = config.score in ("surprisal", "hybrid")
+        self._seqs: dict[str, _Sequence] = {}
+
+    # ---- scores -------------------------------------------------------------------------
+    def scores(self, request_id: str, indices: Sequence[int]) -> list[float] | None:
+        """I_b of blocks `indices`, or None if one of them has not been measured yet."""
+        s = self._seqs.get(request_id)
+        if s is None or (indices and max(indices) >= len(s.mass)):
+            return None
+        if not indices:
+            return []
+        cfg = self.config
+        mass = surpr = None
+        if self.wants_attention_mass:
+            mass = [s.mass[i] for i in indices]
+            if any(m is None for m in mass):
+                return None
+        if self.wants_prompt_surprisal:
+            surpr = [s.surprisal_sum[i] / s.surprisal_count[i] if s.surprisal_count[i] else 0.0
+                     for i in indices]
+        if cfg.score == "mass":
+            return mass
+        if cfg.score == "surprisal":
+            return surpr
+        mm = sum(mass) / len(mass) or 1.0
+        ms = sum(surpr) / len(surpr) or 1.0
+        w = cfg.hybrid_weight
+        return [(1 - w) * m / mm + w * u / ms for m, u in zip(mass, surpr)]
+
+    def protected(self, live: Sequence[int], num_blocks: int) -> set[int]:
+        """Sink and recent blocks (those of them still live)."""
+        cfg = self.config
+        keep = set(range(min(cfg.sink_blocks, num_blocks)))
+        keep.update(range(max(0, num_blocks - cfg.recent_blocks), num_blocks))
+        return keep.intersection(live)
+
+    def budget(self, entropy: float, num_live: int) -> int:
+        """Blocks to attend: max(min_blocks, ceil(rho(H) * live))."""
+        return max(self.config.min_blocks,
+                   math.ceil(self.config.keep_fraction(entropy) * num_live - 1e-9))
+
+    # ---- the hook -----------------------------------------------------------------------
+    def select(self, req: Request, live: list[int], num_blocks: int) -> list[int] | None:
+        cfg = self.config
+        s = self._seqs.setdefault(req.request_id, _Sequence())
+        s.grow(num_blocks)
+        s.subset = False
+        s.last_theta = None
+        if s.decodes_since_dense >= cfg.refresh_interval - 1 or not req.entropies:
+            s.decodes_since_dense = 0
+            return None
+        budget = self.budget(req.entropies[-1], len(live))
+        if budget >= len(live):
+            s.decodes_since_dense += 1
+            return None
+        keep = self.protected(live, num_blocks)
+        rest = [i for i in live if i not in keep]
+        scores = self.scores(req.request_id, rest)
+        if scores is None:  # something unmeasured: attend everything, which measures it
+            s.decodes_since_dense = 0
+            return None
+        ranked = sorted(range(len(rest)), key=lambda j: -scores[j])[:max(0, budget - len(keep))]
+        if ranked:
+            s.last_theta = scores[ranked[-1]]
+        s.decodes_since_dense += 1
+        s.subset = True
+        return sorted(keep.union(rest[j] for j in ranked))
+
+    def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],
+                attended: Sequence[int] | None, block_mass: Sequence[float] | None) -> None:
+        s = self._seqs.setdefault(req.request_id, _Sequence())
+        bs = self.block_size
+        if positions:
+            s.grow(max(positions) // bs + 1)
+        for p, u in zip(positions, surprisal):
+            s.surprisal_sum[p // bs] += u
+            s.surprisal_count[p // bs] += 1
+        if not attended or block_mass is None:
+            return
+        s.grow(max(attended) + 1)
+        # A subset's shares sum to 1 over the subset: rescale them to the mass the subset
+        # held before, so they stay comparable with the blocks it skipped.
+        held = 1.0
+        if s.subset:
+            known = [s.mass[i] for i in attended if s.mass[i] is not None]
+            held = sum(known) if known else 1.0
+        d = self.config.mass_decay
+        for i, share in zip(attended, block_mass):
+            m = share * held
+            s.mass[i] = m if s.mass[i] is None else d * s.mass[i] + (1 - d) * m
+
+    def evict(self, candidates: Sequence[tuple[Request, list[int]]],
+              need: int) -> list[tuple[str, int]]:
+        """The `need` lowest-I_b unprotected blocks among running sequences, I_b relative
+        to each sequence's mean; each keeps max(min_blocks, ceil(rho_min * blocks)) live."""
+        cfg = self.config
+        if not cfg.evict or need <= 0:
+            return []
+        offers: list[tuple[float, str, int]] = []
+        for req, live in candidates:
+            if req.num_computed_tokens <= req.num_prompt_tokens or not live:
+                continue
+            num = -(-req.num_computed_tokens // self.block_size)
+            floor = max(cfg.min_blocks, math.ceil(cfg.min_keep_fraction * num))
+            spare = len(live) - floor
+            keep = self.protected(live, num)
+            rest = [i for i in live if i not in keep and i < num]
+            scores = self.scores(req.request_id, rest)
+            if spare <= 0 or not rest or scores is None:
+                continue
+            mean = sum(scores) / len(scores) or 1.0
+            ranked = sorted(zip(scores, rest))[:spare]
+            offers += [(sc / mean, req.request_id, i) for sc, i in ranked]
+        offers.sort()
+        return [(rid, i) for _, rid, i in offers[:need]]
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._seqs.pop(rid, None)

@@ -1,0 +1,52 @@
+"""Hook for choosing which KV blocks a decode step attends, and which to evict.
+
+The engine core knows nothing of how blocks are valued: a `KVBlockPolicy` (the entropic
+pruner in entropic.control.pruning is one) is asked, per decode step, for the blocks of a
+request's table to attend, and, when KV blocks run out, for blocks it may evict for good
+instead of preempting a whole request. It observes what each step produced: the
+surprisal of the tokens just scored and the attention mass each attended block received.
+Without a policy (the default) every decode attends its whole context: a plain engine.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from entropic.engine.request import Request
+
+
+class KVBlockPolicy(Protocol):
+    """Block selection and eviction for decode steps."""
+
+    # Ask the runner for teacher-forced surprisal of prompt tokens (costs an lm_head row
+    # per prompt token), and for per-block attention mass at decode steps.
+    wants_prompt_surprisal: bool
+    wants_attention_mass: bool
+
+    def select(self, req: Request, live: list[int], num_blocks: int) -> list[int] | None:
+        """Indices into the request's block table to attend at its next decode step, in
+        ascending order and including the last block (where the new token goes), chosen
+        from `live` (the indices not evicted). None: attend every live block."""
+        ...
+
+    def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],
+                attended: Sequence[int] | None, block_mass: Sequence[float] | None) -> None:
+        """After a step: surprisal (-log p, nats) of the tokens at `positions`; for a decode,
+        the block indices it attended and the attention mass share each received (summed
+        over layers and heads, divided by their number: shares sum to 1)."""
+        ...
+
+    def evict(self, candidates: Sequence[tuple[Request, list[int]]],
+              need: int) -> list[tuple[str, int]]:
+        """Up to `need` (request id, block index) pairs to drop for good, chosen among the
+        candidates' live blocks (indices of blocks holding computed tokens)."""
+        ...
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forget finished requests."""
+        ...
+
+
+def decode_context_length(attend: Sequence[int], start_pos: int, block_size: int) -> int:
+    """KV positions a decode at `start_pos` reads when it attends blocks `attend`: every
+    block but the last is full; the last holds the tokens up to and including the new one."""
+    return (len(attend) - 1) * block_size + start_pos % block_size + 1
