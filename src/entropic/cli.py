@@ -1,4 +1,5 @@
-"""Command line: `entropic generate "prompt"` and an interactive `entropic chat`."""
+"""Command line: `entropic generate "prompt"`, an interactive `entropic chat`, and
+`entropic serve` (the OpenAI-compatible server)."""
 from __future__ import annotations
 
 import argparse
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--system", default=None, help="system prompt")
     _add_model_args(c)
     c.set_defaults(func=cmd_chat)
+    from entropic.server.launch import add_serve_args, serve
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see README)")
+    add_serve_args(s)
+    s.set_defaults(func=serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,103 @@
+"""The FastAPI app: OpenAI routes, /v1/models, /health, /metrics, /tokenize, /detokenize.
+
+`build_app(llm, ...)` wires an `LLM` (model, tokenizer, engine with its entropic hooks)
+to an AsyncEngine and the Prometheus metrics. The engine thread starts and stops with the
+app's lifespan.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from entropic.server.async_engine import AsyncEngine
+from entropic.server.errors import ApiError, ApiKeyGate, install_error_handlers
+from entropic.server.metrics import ServerMetrics
+from entropic.server.openai_api import ServerState, router
+from entropic.server.protocol import DetokenizeRequest, TokenizeRequest
+from entropic.server.responses import TokenText
+
+
+def default_model_name(source: str) -> str:
+    """The name clients pass as `model`: the checkpoint's file or directory name."""
+    return os.path.basename(os.path.normpath(source)) or "entropic"
+
+
+def build_app(llm, model_name: str | None = None, api_key: str | None = None,
+              max_waiting: int = 256) -> FastAPI:
+    """An app serving `llm` (an entropic.LLM). `api_key` guards /v1, /tokenize and
+    /detokenize; `max_waiting` bounds the requests held beyond the running batch (429)."""
+    name = model_name or default_model_name(llm.source)
+    metrics = ServerMetrics(name, llm.engine)
+    engine = AsyncEngine(llm.engine, max_waiting, on_step=metrics.on_step)
+    state = ServerState(engine, llm.tokenizer, name, TokenText(llm.tokenizer))
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="entropic", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.entropic = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(ApiKeyGate, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Liveness plus the load and KV numbers a probe (or a test) wants."""
+        snap = engine.snapshot
+        body = {"status": "ok" if engine.alive else "engine_failed", "model": name,
+                "requests_in_flight": engine.num_in_flight, "requests_running": snap.running,
+                "requests_waiting": snap.waiting, "kv_blocks_used": snap.kv_blocks_used,
+                "kv_blocks_total": snap.kv_blocks_total, "kv_cache_usage": snap.kv_usage}
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine.snapshot, engine.num_in_flight),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "entropic",
+            "max_model_len": llm.engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "tokenize: give exactly one of `prompt` (text) or `messages`",
+                           param="prompt")
+        try:
+            if body.messages is not None:
+                ids = llm.tokenizer.apply_chat_template(
+                    [m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+            else:
+                ids = llm.tokenizer.encode(body.prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        state.check_model(body.model)
+        vocab = llm.tokenizer.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"tokens[{i}]: token id {t} is not in [0, {vocab})",
+                               param="tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    return app
