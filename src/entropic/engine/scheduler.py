@@ -304,7 +304,9 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
             req.num_computed_tokens += chunk.num_tokens
-            if chunk.score_targets is not None and prompt_scores:
+            if (chunk.score_targets is not None and prompt_scores
+                    and req.prompt_logprobs is not None
+                    and len(req.prompt_logprobs) == chunk.start_pos + 1):
                 self._record_prompt(req, chunk, prompt_scores[chunk.request_id])
             if not chunk.sample:
                 continue
