@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see README)")
     add_serve_args(s)
     s.set_defaults(func=serve)
+    from entropic.bench.command import add_parsers as add_bench_parsers
+    b = sub.add_parser("bench", help="benchmarks: `entropic bench ablation` (docs/ablation.md)")
+    add_bench_parsers(b.add_subparsers(dest="bench", required=True))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

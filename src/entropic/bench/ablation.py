@@ -1,0 +1,213 @@
+"""The ablation (SPEC section 6): baseline, each layer alone, each pair, all three.
+
+Layers: macro = entropic scheduling (`LLM(scheduling="entropic")`), meso = KV-block pruning
+(`LLM(pruning=PruningConfig())`), micro = the thermostat (`SamplingParams(thermostat=...)`).
+The baseline is FCFS, dense attention and a fixed temperature. Every configuration serves
+the same workload (workloads.py): same prompts, same arrival times, same per-request seeds,
+in each repeat; repeats draw new arrivals and seeds and rotate the configuration order so
+that drift in machine load is spread over all of them.
+
+`run_ablation` returns the raw per-request records; `ablation_stats.summarise` turns them
+into metrics with bootstrap intervals, `report` writes JSON, Markdown and plots.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from itertools import combinations
+
+import torch
+
+from entropic.bench.loadgen import TimedRequest, replay
+from entropic.bench.probes import TemperedEntropyProbe
+from entropic.bench.workloads import FULL, QUICK, WorkItem, WorkloadSpec, build_items, timed
+
+LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """Which control layers are on."""
+
+    sched: bool = False
+    prune: bool = False
+    thermo: bool = False
+
+    @property
+    def name(self) -> str:
+        on = [k for k in LAYERS if getattr(self, k)]
+        return "+".join(on) if on else "baseline"
+
+    @classmethod
+    def parse(cls, name: str) -> "AblationConfig":
+        if name == "baseline":
+            return cls()
+        parts = name.split("+")
+        bad = [p for p in parts if p not in LAYERS]
+        if bad or not parts:
+            raise ValueError(f"unknown configuration {name!r}: use 'baseline' or layers "
+                             f"joined by '+' from {LAYERS}")
+        return cls(**{p: True for p in parts})
+
+
+def all_configs() -> list[AblationConfig]:
+    """The 8 configurations: baseline, singles, pairs, all three."""
+    out = []
+    for k in range(len(LAYERS) + 1):
+        for on in combinations(LAYERS, k):
+            out.append(AblationConfig(**{p: True for p in on}))
+    return out
+
+
+@dataclass
+class AblationOptions:
+    """What to run. `quick` picks the small workload and one repeat."""
+
+    quick: bool = False
+    configs: list[str] | None = None  # names; None = all 8
+    repeats: int | None = None  # default 2 (full) or 1 (quick)
+    workload: WorkloadSpec | None = None
+    temperature: float = 0.7  # the baseline's fixed temperature, the thermostat's T_0
+    target_entropy: float = 1.0  # H* of the thermostat, also the stability reference
+    eta: float = 0.2
+    t_min: float = 0.2
+    t_max: float = 2.0
+    max_num_seqs: int = 16
+    num_kv_blocks: int = 400
+    max_num_batched_tokens: int = 512
+    threads: int | None = 1
+    seed: int = 0
+    n_boot: int = 1000
+    progress: bool = True
+    model: str | None = None
+    dtype: str = "bfloat16"
+
+    def resolved(self) -> "AblationOptions":
+        o = AblationOptions(**asdict(self))
+        o.workload = self.workload or (QUICK if self.quick else FULL)
+        if isinstance(o.workload, dict):
+            o.workload = WorkloadSpec(**o.workload)
+        o.repeats = self.repeats or (1 if self.quick else 2)
+        return o
+
+
+class LayerUnavailable(RuntimeError):
+    """A configuration needs a control layer this build does not have."""
+
+
+def build_llm(cfg: AblationConfig, opts: AblationOptions, probe: TemperedEntropyProbe):
+    """An LLM with the configuration's engine-side layers (scheduling, pruning)."""
+    from entropic import LLM
+
+    kw = dict(model=opts.model, dtype=opts.dtype, max_num_seqs=opts.max_num_seqs,
+              num_kv_blocks=opts.num_kv_blocks,
+              max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
+              scheduling="entropic" if cfg.sched else "fcfs")
+    if cfg.prune:
+        try:
+            from entropic.control.pruning import PruningConfig
+        except ImportError as e:
+            raise LayerUnavailable(f"pruning layer not available ({e})") from e
+        kw["pruning"] = PruningConfig()
+    try:
+        return LLM(**kw)
+    except TypeError as e:
+        if cfg.prune and "pruning" in str(e):
+            raise LayerUnavailable(f"LLM does not accept pruning= ({e})") from e
+        raise
+
+
+def sampling_params(item: WorkItem, cfg: AblationConfig, opts: AblationOptions, seed: int):
+    from entropic import SamplingParams, ThermostatParams
+
+    thermo = None
+    if cfg.thermo:
+        thermo = ThermostatParams(target_entropy=opts.target_entropy, eta=opts.eta,
+                                  t_min=opts.t_min, t_max=opts.t_max)
+    return SamplingParams(max_tokens=item.max_tokens, temperature=opts.temperature, seed=seed,
+                          ignore_eos=item.ignore_eos, thermostat=thermo)
+
+
+def _record(item: WorkItem, out, h_tempered: list[float]) -> dict:
+    """What the statistics need of one finished request (JSON-friendly)."""
+    m, c, e = out.metrics, out.cost, out.entropic
+    return {"key": item.key, "kind": item.kind, "text": out.text,
+            "n_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+            "ttft": m.ttft, "tpot": m.tpot, "e2e": m.e2e, "preemptions": m.num_preemptions,
+            "seconds": c.seconds, "flops_linear": c.flops_linear,
+            "flops_attention": c.flops_attention, "kv_bytes_read": c.kv_bytes_read,
+            "tau": e.tau if e else 0.0, "entropies": list(out.entropies),
+            "temperatures": list(out.temperatures), "h_tempered": h_tempered,
+            "reference": item.reference, "answer": item.answer}
+
+
+def run_ablation(opts: AblationOptions) -> dict:
+    """Serve the workload under every configuration; return raw records and run facts.
+
+    Result: {"options", "configs" (names run), "unavailable" {name: reason}, "items" (n),
+    "runs": {config: [ {"repeat", "makespan", "engine", "records": [...] } ]},
+    "wall_seconds"}.  Record i of every run of every configuration is the same request.
+    """
+    opts = opts.resolved()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    names = opts.configs or [c.name for c in all_configs()]
+    cfgs = [AblationConfig.parse(n) for n in names]
+    if cfgs[0] != AblationConfig():
+        raise ValueError(f"the first configuration must be the baseline, got {names[0]!r}")
+    t_start = time.perf_counter()
+    engines, unavailable = {}, {}
+    for cfg in cfgs:
+        probe = TemperedEntropyProbe()
+        try:
+            engines[cfg.name] = (cfg, build_llm(cfg, opts, probe), probe)
+        except LayerUnavailable as e:
+            unavailable[cfg.name] = str(e)
+            print(f"skipping {cfg.name}: {e}", file=sys.stderr)
+    if AblationConfig().name not in engines:
+        raise RuntimeError("the baseline could not be built")
+    tokenizer = next(iter(engines.values()))[1].tokenizer
+    items = build_items(tokenizer, opts.workload)
+    if not items:
+        raise ValueError("the workload is empty")
+    for _, llm, probe in engines.values():  # warm-up: first-call costs out of the timings
+        llm.generate([items[0].prompt_ids[:64]], sampling_params(
+            WorkItem("warm", "chat", [], 4, True), AblationConfig(), opts, 0))
+        probe.h.clear()
+
+    bar = None
+    if opts.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=opts.repeats * len(engines) * len(items), unit="req",
+                   desc="ablation", file=sys.stderr)
+    runs: dict[str, list[dict]] = {n: [] for n in engines}
+    order = list(engines)
+    for rep in range(opts.repeats):
+        load = timed(items, opts.workload.rate, seed=opts.seed + rep)
+        rot = order[rep % len(order):] + order[:rep % len(order)]
+        for name in rot:
+            cfg, llm, probe = engines[name]
+            reqs = [TimedRequest(f"r{rep}|{it.key}", it.prompt_ids,
+                                 sampling_params(it, cfg, opts, seed=opts.seed * 7919 + rep *
+                                                 100_003 + j), off)
+                    for j, (off, it) in enumerate(load)]
+            if bar is not None:
+                bar.set_postfix_str(f"repeat {rep + 1}/{opts.repeats} {name}")
+            res = replay(llm.engine, reqs, on_finish=(lambda _o: bar.update(1)) if bar else None)
+            recs = []
+            for it in items:  # record order = item order, the same in every run
+                out = res.outputs[f"r{rep}|{it.key}"]
+                recs.append(_record(it, out, probe.pop(out.request_id, len(out.token_ids))))
+            runs[name].append({"repeat": rep, "makespan": res.makespan, "engine": res.stats,
+                               "records": recs})
+    if bar is not None:
+        bar.close()
+    meta = asdict(opts)
+    meta["workload"] = asdict(opts.workload)
+    meta["threads"] = torch.get_num_threads()
+    return {"options": meta, "configs": list(engines), "unavailable": unavailable,
+            "items": len(items), "kinds": {k: sum(i.kind == k for i in items)
+                                           for k in ("chat", "xsum", "aclsum", "strategyqa")},
+            "prompt_tokens": sum(len(i.prompt_ids) for i in items),
+            "runs": runs, "wall_seconds": time.perf_counter() - t_start}

@@ -1,0 +1,157 @@
+"""Ablation outputs: ablation.json, ablation.md (Markdown tables) and PNG plots."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+VALUE_COLS = ["e2e_mean", "e2e_p50", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p99",
+              "tpot_mean", "tpot_p50", "tpot_p99", "tok_s", "tau", "tau_per_tflop", "tau_per_s",
+              "tflops_linear", "tflops_attention", "kv_gb_read"]
+QUALITY_COLS = ["rouge1_ref", "rouge2_ref", "rougeL_ref", "bleu_ref", "rouge1_base",
+                "rouge2_base", "rougeL_base", "bleu_base", "accuracy", "ht_abs_err", "ht_var",
+                "collapse", "mean_h", "mean_t"]
+DELTA_COLS = ["e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "tok_s",
+              "tau_per_tflop", "tau_per_s", "tflops_attention", "kv_gb_read", "rougeL_ref",
+              "bleu_ref", "rougeL_base", "accuracy", "ht_abs_err", "collapse"]
+PLOT_COLS = ["e2e_mean", "e2e_p99", "tok_s", "tau_per_tflop", "tflops_attention", "rougeL_ref",
+             "accuracy", "ht_abs_err"]
+
+
+def _num(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def _pct(d: dict) -> str:
+    if any(math.isnan(d[k]) for k in ("rel", "lo", "hi")):
+        return "n/a"
+    return f"{100 * d['rel']:+.1f}% [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(raw: dict, summary: dict) -> str:
+    """The three tables: values, changes vs baseline (95 % CI), super-additivity."""
+    o, labels = raw["options"], summary["metrics"]
+    configs = list(summary["values"])
+    w = o["workload"]
+    parts = [
+        f"Workload: {raw['items']} requests per run ({', '.join(f'{v} {k}' for k, v in raw['kinds'].items())}), "
+        f"{raw['prompt_tokens']:,} prompt tokens, Poisson arrivals at {w['rate']}/s; "
+        f"{o['repeats']} repeat(s), {summary['n_requests']} request pairs in the bootstrap "
+        f"({summary['n_boot']} resamples); max_num_seqs {o['max_num_seqs']}, "
+        f"{o['num_kv_blocks']} KV blocks, budget {o['max_num_batched_tokens']} tokens/step; "
+        f"T = {o['temperature']} (thermostat: T_0 = {o['temperature']}, H* = "
+        f"{o['target_entropy']}, eta {o['eta']}, T in [{o['t_min']}, {o['t_max']}]); "
+        f"{o['threads']} torch thread(s); wall time {raw['wall_seconds']:.0f} s.",
+    ]
+    if raw.get("unavailable"):
+        parts.append("Not run: " + "; ".join(f"{k} ({v})" for k, v in raw["unavailable"].items()))
+    parts.append("### Values\n\n" + _table(
+        ["config"] + [labels[c]["label"] for c in VALUE_COLS],
+        [[c] + [_num(summary["values"][c][m]) for m in VALUE_COLS] for c in configs]))
+    parts.append(_table(
+        ["config"] + [labels[c]["label"] for c in QUALITY_COLS],
+        [[c] + [_num(summary["values"][c][m]) for m in QUALITY_COLS] for c in configs]))
+    parts.append("### Change against the baseline (95 % paired-bootstrap interval)\n\n" + _table(
+        ["config"] + [labels[c]["label"] for c in DELTA_COLS],
+        [[c] + [_pct(summary["delta"][c][m]) for m in DELTA_COLS] for c in configs[1:]]))
+    sup = summary["superadditivity"]
+    if sup:
+        rows = []
+        for c, ms in sup.items():
+            for m in DELTA_COLS:
+                if m in ms:
+                    s = ms[m]
+                    ok = "yes" if s["lo"] > 0 else ("no (sub-additive)" if s["hi"] < 0
+                                                    else "not distinguishable")
+                    rows.append([c, labels[m]["label"], f"{100 * s['gain']:+.1f}%",
+                                 f"{100 * s['sum_single']:+.1f}%",
+                                 f"{100 * s['s']:+.1f}% [{100 * s['lo']:+.1f}, "
+                                 f"{100 * s['hi']:+.1f}]", ok])
+        parts.append("### Super-additivity (gains signed so that + is better)\n\n" + _table(
+            ["config", "metric", "its gain", "sum of single-layer gains",
+             "difference [95 % CI]", "super-additive?"], rows))
+    run_rows = []
+    for c, rs in summary["runs"].items():
+        for r in rs:
+            e = r["engine"]
+            extra = ", ".join(f"{k} {v:,.0f}" for k, v in e.items()
+                              if "block" in k or "prun" in k or "evict" in k)
+            run_rows.append([c, str(r["repeat"]), f"{r['makespan']:.1f}",
+                             f"{r['output_tok_s_makespan']:.1f}",
+                             f"{e.get('preemptions', float('nan')):.0f}", extra or "-"])
+    parts.append("### Runs\n\n" + _table(["config", "repeat", "makespan (s)",
+                                          "output tok/s over makespan", "preemptions",
+                                          "pruning counters"], run_rows))
+    return "\n\n".join(parts) + "\n"
+
+
+def write(raw: dict, summary: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write ablation.json (summary + run facts), ablation_outputs.jsonl (every request's
+    text and traces), ablation.md and the plots; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "ablation.json", "md": out / "ablation.md",
+             "outputs": out / "ablation_outputs.jsonl"}
+    meta = {k: v for k, v in raw.items() if k != "runs"}
+    (paths["json"]).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=float))
+    with open(paths["outputs"], "w", encoding="utf-8") as f:
+        for c, rs in raw["runs"].items():
+            for r in rs:
+                for rec in r["records"]:
+                    f.write(json.dumps({"config": c, "repeat": r["repeat"], **rec},
+                                       ensure_ascii=False) + "\n")
+    paths["md"].write_text(markdown(raw, summary))
+    paths.update(plot(raw, summary, out))
+    return paths
+
+
+def plot(raw: dict, summary: dict, out: Path) -> dict[str, Path]:
+    """ablation_deltas.png (change vs baseline with 95 % CI, per metric) and
+    ablation_latency.png (E2E latency CDF per configuration)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(summary["values"])[1:]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, m in zip(axes.flat, PLOT_COLS):
+        d = [summary["delta"][c][m] for c in configs]
+        y = [100 * x["rel"] for x in d]
+        err = [[100 * (x["rel"] - x["lo"]) for x in d], [100 * (x["hi"] - x["rel"]) for x in d]]
+        ax.bar(range(len(configs)), y, yerr=err, capsize=3, color="tab:blue")
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xticks(range(len(configs)), configs, rotation=45, ha="right", fontsize=8)
+        ax.set_title(summary["metrics"][m]["label"] + " (% vs baseline)", fontsize=9)
+    fig.tight_layout()
+    p1 = out / "ablation_deltas.png"
+    fig.savefig(p1, dpi=80)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c, rs in raw["runs"].items():
+        xs = sorted(rec["e2e"] for r in rs for rec in r["records"])
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=c, lw=1.2)
+    ax.set_xlabel("end-to-end latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p2 = out / "ablation_latency.png"
+    fig.savefig(p2, dpi=80)
+    plt.close(fig)
+    return {"plot_deltas": p1, "plot_latency": p2}

@@ -1,0 +1,107 @@
+"""The ablation's workload: four task families in one Poisson stream.
+
+- chat: ShareGPT first turns; output length = the reference reply's length (capped), EOS
+  ignored, so every configuration does the same decode work (the performance workload);
+- xsum: one-sentence summaries of BBC articles (BIG-bench gem/xsum), scored against the
+  reference summaries;
+- aclsum: summaries of ACL papers (long context, the document cut to a token budget),
+  scored against the challenge/approach/outcome reference;
+- strategyqa: yes/no questions (BIG-bench), scored by accuracy.
+The task families stop at EOS (or max_tokens), as a user would see them.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_strategyqa, load_xsum
+from entropic.bench.loadgen import poisson_offsets
+
+KINDS = ("chat", "xsum", "aclsum", "strategyqa")
+XSUM_PROMPT = "Summarize the following news article in one sentence.\n\n{article}"
+ACLSUM_PROMPT = ("Summarize this paper in three sentences: the challenge it addresses, its "
+                 "approach, and its outcome.\n\n{title}\n\n{document}")
+STRATEGYQA_PROMPT = "Answer the question with yes or no.\n\nQuestion: {question}"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """How many requests of each kind, their output caps, the long-context budget, the rate."""
+
+    chat: int = 40
+    chat_max_tokens: int = 96
+    xsum: int = 16
+    xsum_max_tokens: int = 48
+    aclsum: int = 6
+    aclsum_max_tokens: int = 96
+    aclsum_context: int = 1200  # tokens of the paper kept (the prompt adds ~40)
+    strategyqa: int = 40
+    strategyqa_max_tokens: int = 8
+    rate: float = 3.0  # Poisson arrivals per second, all kinds together
+
+    def __post_init__(self) -> None:
+        for k in ("chat", "xsum", "aclsum", "strategyqa"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0, got {self.rate}")
+
+
+FULL = WorkloadSpec()
+QUICK = WorkloadSpec(chat=8, chat_max_tokens=32, xsum=4, xsum_max_tokens=32, aclsum=2,
+                     aclsum_max_tokens=32, aclsum_context=768, strategyqa=8, rate=4.0)
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of the workload, identical in every configuration."""
+
+    key: str  # "<kind>:<source id>"
+    kind: str
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    reference: str | None = None  # summary to score against (xsum, aclsum, chat)
+    answer: str | None = None  # "yes" / "no" (strategyqa)
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def build_items(tokenizer, spec: WorkloadSpec, max_prompt_tokens: int = 512) -> list[WorkItem]:
+    """The workload's requests, in a fixed order (kinds grouped; `timed` interleaves them)."""
+    items: list[WorkItem] = []
+    n = 0
+    for rec in load_sharegpt_prompts():
+        if n == spec.chat:
+            break
+        ids = _chat(tokenizer, rec["prompt"])
+        if len(ids) > max_prompt_tokens:
+            continue
+        out_len = max(8, min(spec.chat_max_tokens, len(tokenizer.encode(rec["reference"]))))
+        items.append(WorkItem(f"chat:{rec['id']}", "chat", ids, out_len, True, rec["reference"]))
+        n += 1
+    for rec in load_xsum(spec.xsum):
+        ids = _chat(tokenizer, XSUM_PROMPT.format(article=rec["article"]))
+        items.append(WorkItem(f"xsum:{rec['id']}", "xsum", ids, spec.xsum_max_tokens, False,
+                              rec["reference"]))
+    for rec in load_aclsum(spec.aclsum):
+        doc_ids = tokenizer.encode(rec["document"])[:spec.aclsum_context]
+        ids = _chat(tokenizer, ACLSUM_PROMPT.format(title=rec["title"],
+                                                    document=tokenizer.decode(doc_ids)))
+        items.append(WorkItem(f"aclsum:{rec['id']}", "aclsum", ids, spec.aclsum_max_tokens,
+                              False, rec["reference"]))
+    for rec in load_strategyqa(spec.strategyqa):
+        ids = _chat(tokenizer, STRATEGYQA_PROMPT.format(question=rec["question"]))
+        items.append(WorkItem(f"strategyqa:{rec['id']}", "strategyqa", ids,
+                              spec.strategyqa_max_tokens, False, answer=rec["answer"]))
+    return items
+
+
+def timed(items: list[WorkItem], rate: float, seed: int) -> list[tuple[float, WorkItem]]:
+    """A random interleaving of the items with Poisson arrival offsets (seeded)."""
+    rng = random.Random(seed)
+    order = list(items)
+    rng.shuffle(order)
+    return list(zip(poisson_offsets(len(order), rate, rng), order))
