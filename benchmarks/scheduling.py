@@ -24,7 +24,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from entropic import LLM, SamplingParams  # noqa: E402
 from entropic.bench.datasets import load_sharegpt_prompts  # noqa: E402
+from entropic.bench.loadgen import TimedRequest, replay  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -43,32 +43,20 @@ def pct(xs: list[float], q: float) -> float:
 
 def run(llm: LLM, reqs: list[tuple[float, list[int], int]]) -> dict:
     """Replay arrivals (offsets in seconds) against the engine; return metrics."""
-    eng = llm.engine
-    pre0, tau0, cost0 = eng.scheduler.num_preemptions, eng.stats.tau, eng.stats.cost.flops
-    sec0 = eng.stats.cost.seconds
-    t0 = time.perf_counter()
-    pending = list(enumerate(reqs))
-    finals = []
-    while pending or eng.has_unfinished_requests():
-        now = time.perf_counter()
-        while pending and t0 + pending[0][1][0] <= now:
-            i, (off, ids, n) = pending.pop(0)
-            eng.add_request(f"b{i}", ids, SamplingParams(max_tokens=n, temperature=0,
-                                                         ignore_eos=True),
-                            arrival_time=t0 + off)
-        if not eng.has_unfinished_requests():
-            time.sleep(max(0.0, t0 + pending[0][1][0] - time.perf_counter()))
-            continue
-        finals.extend(o for o in eng.step() if o.finished)
-    makespan = time.perf_counter() - t0
+    load = [TimedRequest(f"b{i}", ids, SamplingParams(max_tokens=n, temperature=0,
+                                                      ignore_eos=True), off)
+            for i, (off, ids, n) in enumerate(reqs)]
+    res = replay(llm.engine, load)
+    finals = [res.outputs[r.request_id] for r in load]
+    makespan = res.makespan
     ttft = [o.metrics.ttft for o in finals]
     tpot = [o.metrics.tpot for o in finals if o.metrics.tpot is not None]
     e2e = [o.metrics.e2e for o in finals]
-    tflops = (eng.stats.cost.flops - cost0) / 1e12
-    seconds = eng.stats.cost.seconds - sec0
-    tau = eng.stats.tau - tau0
+    tflops = (res.stats["cost.flops_linear"] + res.stats["cost.flops_attention"]) / 1e12
+    seconds = res.stats["cost.seconds"]
+    tau = res.stats["tau"]
     out = {"output_tok_s": sum(len(o.token_ids) for o in finals) / makespan,
-           "preemptions": eng.scheduler.num_preemptions - pre0,
+           "preemptions": res.stats["preemptions"],
            "tau_per_tflop": tau / tflops, "tau_per_s": tau / seconds, "makespan": makespan}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         out[f"{name}_mean"] = statistics.fmean(xs)

@@ -34,30 +34,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from entropic import LLM, SamplingParams, ThermostatParams  # noqa: E402
 from entropic.bench.datasets import chat_prompt_ids  # noqa: E402
-from entropic.control.estimators import ExactEntropy  # noqa: E402
+from entropic.bench.probes import TemperedEntropyProbe  # noqa: E402
 
 COLLAPSE = 0.05
-
-
-class TemperedEntropyProbe:
-    """Sampler-chain element that records, per request, the entropy of softmax(logits / T)
-    at the temperature each row is about to be sampled at. It changes nothing."""
-
-    def __init__(self) -> None:
-        self.h: dict[str, list[float]] = {}
-        self._exact = ExactEntropy()
-
-    def apply(self, logits, temperatures, batch):
-        t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-        for rid, h in zip(batch.request_ids, self._exact(logits / t[:, None]).tolist()):
-            self.h.setdefault(rid, []).append(h)
-        return logits, temperatures
-
-    def accept(self, token_ids, batch):
-        pass
-
-    def release(self, request_ids):
-        pass
 
 
 def distinct(tokens: list[int], n: int) -> float:

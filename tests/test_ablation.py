@@ -1,0 +1,167 @@
+"""The ablation harness: metrics on hand-made examples, and a tiny real run end to end."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+from entropic.bench import metrics as M
+from entropic.bench.ablation import AblationConfig, all_configs
+from entropic.bench.loadgen import poisson_offsets
+
+
+# ---- metrics on known values ------------------------------------------------------------
+def test_rouge_identical_is_one_and_disjoint_is_zero():
+    r = M.rouge_f(["the cat sat on the mat", "alpha beta"], ["the cat sat on the mat", "gamma"])
+    for k in M.ROUGE_KEYS:
+        assert r[k][0] == pytest.approx(1.0)
+        assert r[k][1] == pytest.approx(0.0)
+
+
+def test_rouge1_by_hand():
+    # hyp "a b c d", ref "a b x": 2 overlapping unigrams; P = 2/4, R = 2/3, F = 4/7
+    r = M.rouge_f(["a b c d"], ["a b x"])
+    assert r["rouge1"][0] == pytest.approx(4 / 7)
+
+
+def test_bleu_from_summed_stats_equals_sacrebleu_corpus_bleu():
+    hyps = ["the quick brown fox jumps over the lazy dog", "a b c d e f", "hello there world"]
+    refs = ["the quick brown fox jumped over the lazy dog", "a b c d e g", "hello world"]
+    st = M.bleu_stats(hyps, refs)
+    assert st.shape == (3, 10)
+    assert M.bleu_from_stats(st) == pytest.approx(M.corpus_bleu(hyps, refs))
+    assert M.bleu_from_stats(st[[0, 2]]) == pytest.approx(
+        M.corpus_bleu([hyps[0], hyps[2]], [refs[0], refs[2]]))
+    assert M.bleu_from_stats(M.bleu_stats(hyps, hyps)) == pytest.approx(100.0)
+
+
+def test_parse_yes_no():
+    assert M.parse_yes_no("Yes, because ...") == "yes"
+    assert M.parse_yes_no("I think the answer is no.") == "no"
+    assert M.parse_yes_no("Nobody knows; yesterday") is None
+    assert M.parse_yes_no("") is None
+
+
+def test_bootstrap_ci_contains_mean():
+    rng = np.random.default_rng(1)
+    xs = rng.normal(3.0, 1.0, size=200)
+    point, lo, hi = M.bootstrap_ci(xs, n_boot=500)
+    assert point == pytest.approx(xs.mean())
+    assert lo < point < hi
+    assert hi - lo < 0.5  # ~ 4 standard errors of 1/sqrt(200)
+
+
+def test_paired_bootstrap_is_paired():
+    # b = a + 1 on every item: the paired difference is exactly 1 in every resample,
+    # although each mean alone varies.
+    a = np.arange(50, dtype=float)
+    out = M.paired_bootstrap({"a": {"x": a}, "b": {"x": a + 1}},
+                             {"mean": lambda f: float(np.mean(f["x"]))}, 50, n_boot=200)
+    d = out["b"]["mean"] - out["a"]["mean"]
+    assert np.allclose(d, 1.0)
+    assert out["a"]["mean"].std() > 0.5
+
+
+def test_superadditivity_arithmetic():
+    # gains +10 %, +5 %, +2 % alone; +20 % together: 20 - 17 = +3 points super-additive
+    assert float(M.superadditivity(0.20, [0.10, 0.05, 0.02])) == pytest.approx(0.03)
+    assert float(M.superadditivity(0.10, [0.10, 0.05, 0.02])) == pytest.approx(-0.07)
+    s = M.superadditivity(np.array([0.2, 0.3]), [np.array([0.1, 0.1]), np.array([0.0, 0.1])])
+    assert np.allclose(s, [0.1, 0.1])
+
+
+def test_relative_change():
+    assert float(M.relative_change(90.0, 100.0)) == pytest.approx(-0.1)
+    assert np.isnan(float(M.relative_change(1.0, 0.0)))
+
+
+def test_configs_are_the_eight_and_parse_round_trips():
+    cfgs = all_configs()
+    assert len(cfgs) == 8 and len(set(cfgs)) == 8
+    assert cfgs[0] == AblationConfig() and cfgs[0].name == "baseline"
+    assert cfgs[-1].name == "sched+prune+thermo"
+    for c in cfgs:
+        assert AblationConfig.parse(c.name) == c
+    with pytest.raises(ValueError):
+        AblationConfig.parse("sched+warp")
+
+
+def test_poisson_offsets():
+    off = poisson_offsets(2000, 4.0, random.Random(0))
+    assert off[0] == 0 and all(b >= a for a, b in zip(off, off[1:]))
+    assert np.mean(np.diff(off)) == pytest.approx(0.25, rel=0.1)
+    with pytest.raises(ValueError):
+        poisson_offsets(3, 0.0, random.Random(0))
+
+
+def test_summary_on_hand_made_runs():
+    """summarise() on two fake configurations with known per-request values."""
+    from entropic.bench.ablation_stats import summarise
+
+    def rec(i, kind, text, e2e, toks, secs, tau, h):
+        return {"key": f"{kind}:{i}", "kind": kind, "text": text, "n_tokens": toks,
+                "finish_reason": "stop", "ttft": e2e / 2, "tpot": 0.1, "e2e": e2e,
+                "preemptions": 0, "seconds": secs, "flops_linear": 1e12,
+                "flops_attention": 0.0, "kv_bytes_read": 1e9, "tau": tau,
+                "entropies": h, "temperatures": [0.7] * len(h), "h_tempered": h,
+                "reference": "a b c" if kind == "xsum" else None,
+                "answer": "yes" if kind == "strategyqa" else None}
+
+    base = [rec(0, "xsum", "a b c", 2.0, 4, 1.0, 1.0, [1.0, 1.0, 1.0, 1.0]),
+            rec(1, "strategyqa", "Yes.", 4.0, 2, 1.0, 1.0, [0.0, 2.0])]
+    fast = [rec(0, "xsum", "a b c", 1.0, 4, 0.5, 1.0, [1.0, 1.0, 1.0, 1.0]),
+            rec(1, "strategyqa", "No.", 2.0, 2, 0.5, 1.0, [0.0, 2.0])]
+    raw = {"options": {"target_entropy": 1.0},
+           "runs": {"baseline": [{"repeat": 0, "makespan": 2.0, "engine": {}, "records": base}],
+                    "sched": [{"repeat": 0, "makespan": 1.0, "engine": {}, "records": fast}]}}
+    s = summarise(raw, n_boot=50)
+    v = s["values"]
+    assert v["baseline"]["e2e_mean"] == pytest.approx(3.0)
+    assert v["sched"]["e2e_mean"] == pytest.approx(1.5)
+    assert s["delta"]["sched"]["e2e_mean"]["rel"] == pytest.approx(-0.5)
+    assert v["baseline"]["tok_s"] == pytest.approx(3.0)  # 6 tokens / 2 busy seconds
+    assert v["sched"]["tok_s"] == pytest.approx(6.0)
+    assert v["baseline"]["tau_per_tflop"] == pytest.approx(1.0)  # 2 nats / 2 TFLOPs
+    assert v["baseline"]["rougeL_ref"] == pytest.approx(1.0)
+    assert v["sched"]["rougeL_base"] == pytest.approx(1.0)  # xsum text identical to baseline
+    assert v["baseline"]["accuracy"] == 1.0 and v["sched"]["accuracy"] == 0.0
+    # H^T = [1, 1, 1, 1, 0, 2] against H* = 1: mean |err| = 2/6; mean 1, E[H^2] = 8/6, so
+    # var = 1/3; one collapsed step (H^T < 0.05) of 6
+    assert v["baseline"]["ht_abs_err"] == pytest.approx(2 / 6)
+    assert v["baseline"]["ht_var"] == pytest.approx(1 / 3)
+    assert v["baseline"]["collapse"] == pytest.approx(1 / 6)
+    d = s["delta"]["sched"]["e2e_mean"]
+    assert d["lo"] <= d["rel"] <= d["hi"]
+
+
+# ---- the harness on the real model ------------------------------------------------------
+@pytest.mark.model
+def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
+    from entropic.bench import report
+    from entropic.bench.ablation import AblationOptions, run_ablation
+    from entropic.bench.ablation_stats import metric_table, summarise
+    from entropic.bench.workloads import WorkloadSpec
+
+    spec = WorkloadSpec(chat=1, chat_max_tokens=8, xsum=1, xsum_max_tokens=8, aclsum=0,
+                        strategyqa=1, strategyqa_max_tokens=8, rate=100.0)
+    raw = run_ablation(AblationOptions(configs=["baseline", "thermo"], repeats=1,
+                                       workload=spec, threads=2, progress=False,
+                                       num_kv_blocks=64))
+    assert raw["configs"] == ["baseline", "thermo"] and raw["items"] == 3
+    s = summarise(raw, n_boot=20)
+    paths = report.write(raw, s, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    names = {m.name for m in metric_table(1)}
+    for c in ("baseline", "thermo"):
+        assert set(data["values"][c]) == names
+        assert set(data["delta"][c]) == names
+    assert data["values"]["baseline"]["rougeL_base"] == pytest.approx(1.0)
+    assert data["delta"]["baseline"]["e2e_mean"]["rel"] == 0.0
+    assert data["meta"]["options"]["threads"] == 2
+    assert all(r["n_tokens"] >= 1 for rs in raw["runs"].values() for run in rs
+               for r in run["records"])
+    thermo_t = [t for run in raw["runs"]["thermo"] for r in run["records"]
+                for t in r["temperatures"]]
+    assert all(0.2 - 1e-6 <= t <= 2.0 + 1e-6 for t in thermo_t)
+    assert "| baseline |" in paths["md"].read_text()
+    assert paths["plot_deltas"].stat().st_size > 1000
