@@ -83,6 +83,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def _full(request: Request, exc: QueueFullError):
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.rejected.labels(reason="queue_full").inc()
         return ApiError(429, str(exc), code="queue_full").response()
 
     @app.exception_handler(EngineDeadError)

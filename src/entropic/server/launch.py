@@ -33,6 +33,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in GiB when --num-kv-blocks is not given")
     p.add_argument("--scheduling", choices=("fcfs", "entropic"), default="fcfs",
                    help="request ordering: fcfs, or entropic (priority with aging)")
+    p.add_argument("--pruning", action="store_true",
+                   help="entropic KV-block pruning in decode attention (default PruningConfig)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
@@ -44,6 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from entropic import LLM
+    from entropic.control.pruning import PruningConfig
     from entropic.server.app import build_app
 
     if args.threads:
@@ -53,7 +56,8 @@ def serve(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
-              scheduling=args.scheduling)
+              scheduling=args.scheduling,
+              pruning=PruningConfig() if args.pruning else None)
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
     app = build_app(llm, args.served_model_name, args.api_key, args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

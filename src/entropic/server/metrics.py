@@ -25,14 +25,9 @@ TAU_WINDOW_S = 30.0  # seconds behind the tau-rate gauge
 
 
 def pruned_block_fraction(stats) -> float | None:
-    """Fraction of KV blocks skipped by attention pruning, from the engine's counters when
-    it keeps them (`blocks_pruned` and `blocks_attended`); None for an engine without."""
-    pruned = getattr(stats, "blocks_pruned", None)
-    attended = getattr(stats, "blocks_attended", None)
-    if pruned is None or attended is None:
-        return None
-    total = pruned + attended
-    return pruned / total if total else 0.0
+    """Share of the live KV blocks that decode steps skipped (EngineStats.pruned_fraction,
+    cumulative since start; 0 with dense attention); None for an engine without it."""
+    return getattr(stats, "pruned_fraction", None)
 
 
 class ServerMetrics:
@@ -65,6 +60,8 @@ class ServerMetrics:
                               registry=r)
         self.finished = Counter(p + "requests_finished", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.aborted = Gauge(p + "requests_aborted", "Requests aborted (client gone) since start",
+                             registry=r)
         self.rejected = Counter(p + "requests_rejected", "Requests refused, by reason",
                                 ["reason"], registry=r)
         self.tau_total = Gauge(p + "tau_nats", "Engine-wide entropic time tau since start",
@@ -80,11 +77,15 @@ class ServerMetrics:
         self.mean_temperature = Gauge(p + "mean_temperature",
                                       f"Mean temperature of the last {TOKEN_WINDOW} sampled "
                                       "tokens (0 = greedy)", registry=r)
-        self.pruned_fraction = None
+        self.pruned_fraction = self.evicted = None
         if pruned_block_fraction(engine.stats) is not None:
             self.pruned_fraction = Gauge(p + "pruned_block_fraction",
-                                         "Fraction of KV blocks skipped by attention pruning",
+                                         "Share of live KV blocks that decode attention skipped "
+                                         "(entropic pruning; 0 when dense), since start",
                                          registry=r)
+        if hasattr(engine.stats, "blocks_evicted"):
+            self.evicted = Gauge(p + "kv_blocks_evicted", "KV blocks evicted for good by the "
+                                 "pruner under memory pressure, since start", registry=r)
         info = Gauge(p + "model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self._lock = threading.Lock()  # guards the two windows below
@@ -121,6 +122,7 @@ class ServerMetrics:
         self.kv_total.set(snap.kv_blocks_total)
         self.kv_usage.set(snap.kv_usage)
         stats = self.engine.stats
+        self.aborted.set(stats.aborted)
         self.tau_total.set(stats.tau)
         self.tau_per_tflop.set(stats.tau_per_tflop)
         now = time.perf_counter()
@@ -137,7 +139,7 @@ class ServerMetrics:
             rate = (taus[-1][1] - taus[0][1]) / (now - taus[0][0])
         self.tau_rate.set(rate)
         if self.pruned_fraction is not None:
-            frac = pruned_block_fraction(stats)
-            if frac is not None:
-                self.pruned_fraction.set(frac)
+            self.pruned_fraction.set(pruned_block_fraction(stats))
+        if self.evicted is not None:
+            self.evicted.set(stats.blocks_evicted)
         return generate_latest(self.registry)
