@@ -62,7 +62,7 @@ def test_selection_keeps_sink_recent_and_budget(num, entropy, sink, recent, min_
     shares = torch.rand(len(live), generator=g)
     pruner.observe(req, list(range(num * 4)), torch.rand(num * 4, generator=g).tolist(),
                    live, (shares / shares.sum()).tolist())
-    chosen = pruner.select(req, live, num)
+    chosen = pruner.select(req, live, num).attend
     budget = max(min_blocks, math.ceil(cfg.keep_fraction(entropy) * len(live) - 1e-9))
     if chosen is None:
         assert budget >= len(live)
@@ -88,7 +88,7 @@ def test_lower_entropy_attends_fewer_blocks():
         pruner = EntropicBlockPruner(cfg, 16)
         req = _req(entropy=h)
         pruner.observe(req, [], [], list(range(40)), [1 / 40] * 40)
-        chosen = pruner.select(req, list(range(40)), 40)
+        chosen = pruner.select(req, list(range(40)), 40).attend
         sizes.append(40 if chosen is None else len(chosen))
     assert sizes[0] == 40 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 10
 
@@ -98,15 +98,16 @@ def test_refresh_and_first_decode_are_dense():
     pruner = EntropicBlockPruner(cfg, 16)
     req = _req(entropy=0.1)
     live = list(range(20))
-    assert pruner.select(req, live, 20) is None  # nothing measured yet: dense measures it
+    first = pruner.select(req, live, 20)  # nothing measured yet: dense measures it
+    assert first.attend is None and first.collect_attention
     pruner.observe(req, [], [], live, [1 / 20] * 20)
     picks = []
     for _ in range(8):
-        c = pruner.select(req, live, 20)
-        picks.append(c is None)
-        if c is not None:
-            pruner.observe(req, [], [], c, [1 / len(c)] * len(c))
-    assert picks == [False, False, False, True] * 2
+        sel = pruner.select(req, live, 20)
+        picks.append((sel.attend is None, sel.collect_attention))
+        if sel.collect_attention:
+            pruner.observe(req, [], [], live, [1 / 20] * 20)
+    assert picks == [(False, False)] * 3 + [(True, True)] + [(False, False)] * 3 + [(True, True)]
 
 
 def test_decode_over_chosen_blocks_equals_masked_full_attention():

@@ -12,6 +12,7 @@ SHAREGPT_FILE = "sharegpt_first_turns.jsonl"
 XSUM_FILE = "xsum_articles.jsonl"
 ACLSUM_FILE = "aclsum_papers.jsonl"
 STRATEGYQA_FILE = "strategyqa.jsonl"
+LONGDOCS_FILE = "longdocs.jsonl"
 
 
 def _packaged(name: str) -> Path:
@@ -47,6 +48,17 @@ def load_strategyqa(n: int | None = None) -> list[dict]:
     """BIG-bench strategyqa yes/no questions: dicts with ``id``, ``question``, ``answer``
     ("yes" or "no"), in file order."""
     return _read_jsonl(_packaged(STRATEGYQA_FILE), n)
+
+
+def load_longdocs(kind: str | None = None) -> list[dict]:
+    """Long documents for the pruning benchmark (~34,000 characters, 7.5k-13.5k tokens):
+    4 ACLSum paper bodies (``reference`` = the abstract) and 4 Shakespeare acts
+    (``reference`` None). Dicts with ``id``, ``kind`` ("paper" or "play"), ``title``,
+    ``text``, ``reference``; `kind` selects one of the two."""
+    if kind not in (None, "paper", "play"):
+        raise ValueError(f"kind must be None, 'paper' or 'play', got {kind!r}")
+    rows = _read_jsonl(_packaged(LONGDOCS_FILE), None)
+    return [r for r in rows if kind is None or r["kind"] == kind]
 
 
 def _read_jsonl(src: Path, n: int | None) -> list[dict]:

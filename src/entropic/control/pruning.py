@@ -6,12 +6,11 @@ dense when the model is uncertain, sparse when it is certain. Always attended: t
 `sink_blocks` blocks, the `recent_blocks` most recent, and at least `min_blocks`.
 
 I_b (the `score` option):
-- "mass": the share of attention the block receives, summed over layers and heads, as an
-  exponential moving average over the decode steps that attended it (H2O's heavy hitters,
-  per block). A step that attends a subset learns only that subset's shares; they are
-  rescaled to the mass the subset held before, so skipped blocks keep comparable values. A
-  dense step every `refresh_interval` decode steps (and the first decode after the prompt)
-  re-measures every block.
+- "mass": the share of attention the block receives, summed over layers and heads (H2O's
+  heavy hitters, per block), measured at dense steps: the first decode after the prompt
+  and every `refresh_interval`-th decode attend every block and report their shares (an
+  explicit softmax, ~2x the fused kernel's time at that step), kept as an exponential
+  moving average. Pruned steps use the fused kernel and measure nothing.
 - "surprisal": the mean surprisal -log p of the block's tokens (prompt tokens are scored by
   teacher forcing, which costs one lm_head row per prompt token).
 - "hybrid": (1 - w) * mass / mean(mass) + w * surprisal / mean(surprisal).
@@ -33,7 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from entropic.engine.request import Request, RequestStatus
+from entropic.engine.block_policy import BlockSelection
+from entropic.engine.request import Request
 
 SCORES = ("mass", "surprisal", "hybrid")
 
@@ -99,7 +99,6 @@ class _Sequence:
     surprisal_sum: list[float] = field(default_factory=list)
     surprisal_count: list[int] = field(default_factory=list)
     decodes_since_dense: int = 0
-    subset: bool = False  # the last selection attended a subset
     last_theta: float | None = None
 
     def grow(self, num_blocks: int) -> None:
@@ -115,7 +114,7 @@ class EntropicBlockPruner:
     def __init__(self, config: PruningConfig, block_size: int) -> None:
         self.config = config
         self.block_size = block_size
-        self.wants_attention_mass = config.score in ("mass", "hybrid")
+        self.uses_mass = config.score in ("mass", "hybrid")
         self.wants_prompt_surprisal = config.score in ("surprisal", "hybrid")
         self._seqs: dict[str, _Sequence] = {}
 
@@ -129,7 +128,7 @@ class EntropicBlockPruner:
             return []
         cfg = self.config
         mass = surpr = None
-        if self.wants_attention_mass:
+        if self.uses_mass:
             mass = [s.mass[i] for i in indices]
             if any(m is None for m in mass):
                 return None
@@ -158,31 +157,29 @@ class EntropicBlockPruner:
                    math.ceil(self.config.keep_fraction(entropy) * num_live - 1e-9))
 
     # ---- the hook -----------------------------------------------------------------------
-    def select(self, req: Request, live: list[int], num_blocks: int) -> list[int] | None:
+    def select(self, req: Request, live: list[int], num_blocks: int) -> BlockSelection:
         cfg = self.config
         s = self._seqs.setdefault(req.request_id, _Sequence())
         s.grow(num_blocks)
-        s.subset = False
         s.last_theta = None
+        dense = BlockSelection(None, collect_attention=self.uses_mass)
         if s.decodes_since_dense >= cfg.refresh_interval - 1 or not req.entropies:
             s.decodes_since_dense = 0
-            return None
+            return dense
+        s.decodes_since_dense += 1
         budget = self.budget(req.entropies[-1], len(live))
         if budget >= len(live):
-            s.decodes_since_dense += 1
-            return None
+            return BlockSelection(None)
         keep = self.protected(live, num_blocks)
         rest = [i for i in live if i not in keep]
         scores = self.scores(req.request_id, rest)
         if scores is None:  # something unmeasured: attend everything, which measures it
             s.decodes_since_dense = 0
-            return None
+            return dense
         ranked = sorted(range(len(rest)), key=lambda j: -scores[j])[:max(0, budget - len(keep))]
         if ranked:
             s.last_theta = scores[ranked[-1]]
-        s.decodes_since_dense += 1
-        s.subset = True
-        return sorted(keep.union(rest[j] for j in ranked))
+        return BlockSelection(sorted(keep.union(rest[j] for j in ranked)))
 
     def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],
                 attended: Sequence[int] | None, block_mass: Sequence[float] | None) -> None:
@@ -196,15 +193,8 @@ class EntropicBlockPruner:
         if not attended or block_mass is None:
             return
         s.grow(max(attended) + 1)
-        # A subset's shares sum to 1 over the subset: rescale them to the mass the subset
-        # held before, so they stay comparable with the blocks it skipped.
-        held = 1.0
-        if s.subset:
-            known = [s.mass[i] for i in attended if s.mass[i] is not None]
-            held = sum(known) if known else 1.0
         d = self.config.mass_decay
-        for i, share in zip(attended, block_mass):
-            m = share * held
+        for i, m in zip(attended, block_mass):
             s.mass[i] = m if s.mass[i] is None else d * s.mass[i] + (1 - d) * m
 
     def evict(self, candidates: Sequence[tuple[Request, list[int]]],

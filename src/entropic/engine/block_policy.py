@@ -9,23 +9,32 @@ Without a policy (the default) every decode attends its whole context: a plain e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from entropic.engine.request import Request
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """What one decode attends: `attend`, indices into its block table (ascending, the
+    last block included; None: every live block), and whether to report the attention mass
+    each attended block receives (explicit softmax: slower than the fused kernel)."""
+
+    attend: list[int] | None = None
+    collect_attention: bool = False
 
 
 class KVBlockPolicy(Protocol):
     """Block selection and eviction for decode steps."""
 
     # Ask the runner for teacher-forced surprisal of prompt tokens (costs an lm_head row
-    # per prompt token), and for per-block attention mass at decode steps.
+    # per prompt token).
     wants_prompt_surprisal: bool
-    wants_attention_mass: bool
 
-    def select(self, req: Request, live: list[int], num_blocks: int) -> list[int] | None:
-        """Indices into the request's block table to attend at its next decode step, in
-        ascending order and including the last block (where the new token goes), chosen
-        from `live` (the indices not evicted). None: attend every live block."""
+    def select(self, req: Request, live: list[int], num_blocks: int) -> BlockSelection:
+        """The blocks the request's next decode attends, chosen from `live` (the indices of
+        its table not evicted); `num_blocks` blocks hold its context."""
         ...
 
     def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],

@@ -208,7 +208,8 @@ class Scheduler:
             return None, False
         num = start // self.kv.block_size + 1  # blocks holding positions 0..start
         live = [i for i in self.kv.live_indices(rid) if i < num]
-        attend = bp.select(req, live, num)
+        selection = bp.select(req, live, num)
+        attend = selection.attend
         if attend is None and len(live) < num:
             attend = live
         if attend is not None:
@@ -219,7 +220,7 @@ class Scheduler:
                                    f"{rid!r} (live {live}, last block {num - 1})")
             if len(attend) == num:
                 attend = None
-        return attend, bp.wants_attention_mass
+        return attend, selection.collect_attention
 
     def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
               preempted: set[str]) -> bool:
