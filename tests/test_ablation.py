@@ -125,6 +125,7 @@ def test_summary_on_hand_made_runs():
     assert v["baseline"]["rougeL_ref"] == pytest.approx(1.0)
     assert v["sched"]["rougeL_base"] == pytest.approx(1.0)  # xsum text identical to baseline
     assert v["baseline"]["accuracy"] == 1.0 and v["sched"]["accuracy"] == 0.0
+    assert s["delta"]["sched"]["accuracy"]["abs"] == pytest.approx(-1.0)  # scores: absolute
     # H^T = [1, 1, 1, 1, 0, 2] against H* = 1: mean |err| = 2/6; mean 1, E[H^2] = 8/6, so
     # var = 1/3; one collapsed step (H^T < 0.05) of 6
     assert v["baseline"]["ht_abs_err"] == pytest.approx(2 / 6)
@@ -146,6 +147,7 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
                         strategyqa=1, strategyqa_max_tokens=8, rate=100.0)
     raw = run_ablation(AblationOptions(configs=["baseline", "thermo"], repeats=1,
                                        workload=spec, threads=2, progress=False,
+                                       aa_control=False,
                                        num_kv_blocks=64))
     assert raw["configs"] == ["baseline", "thermo"] and raw["items"] == 3
     s = summarise(raw, n_boot=20)

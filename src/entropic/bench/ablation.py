@@ -5,7 +5,9 @@ Layers: macro = entropic scheduling (`LLM(scheduling="entropic")`), meso = KV-bl
 The baseline is FCFS, dense attention and a fixed temperature. Every configuration serves
 the same workload (workloads.py): same prompts, same arrival times, same per-request seeds,
 in each repeat; repeats draw new arrivals and seeds and rotate the configuration order so
-that drift in machine load is spread over all of them.
+that drift in machine load is spread over all of them. An A/A control ("baseline-again": a
+second engine with the baseline's configuration, run in the same rotation) measures the
+run-to-run noise that the per-request bootstrap intervals do not cover.
 
 `run_ablation` returns the raw per-request records; `ablation_stats.summarise` turns them
 into metrics with bootstrap intervals, `report` writes JSON, Markdown and plots.
@@ -24,6 +26,7 @@ from entropic.bench.probes import TemperedEntropyProbe
 from entropic.bench.workloads import FULL, QUICK, WorkItem, WorkloadSpec, build_items, timed
 
 LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
+AA_NAME = "baseline-again"  # a second, independent engine with the baseline's configuration
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class AblationOptions:
     threads: int | None = 1
     seed: int = 0
     n_boot: int = 1000
+    aa_control: bool = True  # run the baseline twice per repeat: the run-to-run noise floor
     progress: bool = True
     model: str | None = None
     dtype: str = "bfloat16"
@@ -158,13 +162,16 @@ def run_ablation(opts: AblationOptions) -> dict:
         raise ValueError(f"the first configuration must be the baseline, got {names[0]!r}")
     t_start = time.perf_counter()
     engines, unavailable = {}, {}
-    for cfg in cfgs:
+    named = [(c.name, c) for c in cfgs]
+    if opts.aa_control:
+        named.insert(1, (AA_NAME, AblationConfig()))
+    for name, cfg in named:
         probe = TemperedEntropyProbe()
         try:
-            engines[cfg.name] = (cfg, build_llm(cfg, opts, probe), probe)
+            engines[name] = (cfg, build_llm(cfg, opts, probe), probe)
         except LayerUnavailable as e:
-            unavailable[cfg.name] = str(e)
-            print(f"skipping {cfg.name}: {e}", file=sys.stderr)
+            unavailable[name] = str(e)
+            print(f"skipping {name}: {e}", file=sys.stderr)
     if AblationConfig().name not in engines:
         raise RuntimeError("the baseline could not be built")
     tokenizer = next(iter(engines.values()))[1].tokenizer

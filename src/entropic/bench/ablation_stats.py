@@ -25,12 +25,17 @@ REF_KINDS = ("xsum", "aclsum")
 
 @dataclass(frozen=True)
 class Metric:
-    """A named function of per-request fields; `better` is +1 (higher), -1 (lower) or 0."""
+    """A named function of per-request fields; `better` is +1 (higher), -1 (lower) or 0.
+
+    `relative`: differences against the baseline are relative (performance and cost), or
+    absolute (quality and stability scores, whose baseline can be near zero: a BLEU of 0.9
+    against 2.6 is "+190 %" but 1.7 points)."""
 
     name: str
     fn: Callable[[dict], float]
     better: int
     label: str
+    relative: bool = True
 
 
 def _ratio(a, b) -> float:
@@ -75,18 +80,20 @@ def metric_table(repeats: int) -> list[Metric]:
         mask = "m_ref" if src == "ref" else "m_text"
         for r in ("rouge1", "rouge2", "rougeL"):
             ms.append(Metric(f"{r}_{src}", lambda f, k=f"{r}_{src}", m=mask:
-                             _masked_mean(f[k], f[m]), +1, f"{r} vs {src}"))
+                             _masked_mean(f[k], f[m]), +1, f"{r} vs {src}", False))
         ms.append(Metric(f"bleu_{src}", lambda f, k=f"bleu_{src}": bleu_from_stats(f[k]), +1,
-                         f"BLEU vs {src}"))
+                         f"BLEU vs {src}", False))
     ms += [
         Metric("accuracy", lambda f: _masked_mean(f["correct"], f["m_sqa"]), +1,
-               "strategyqa accuracy"),
-        Metric("ht_abs_err", lambda f: _ratio(f["ht_abs"], f["ht_n"]), -1, "mean |H^T - H*|"),
+               "strategyqa accuracy", False),
+        Metric("ht_abs_err", lambda f: _ratio(f["ht_abs"], f["ht_n"]), -1, "mean |H^T - H*|",
+               False),
         Metric("ht_var", lambda f: _ratio(f["ht_sq"], f["ht_n"]) - _ratio(f["ht"], f["ht_n"])
-               ** 2, -1, "var H^T"),
-        Metric("collapse", lambda f: _ratio(f["ht_collapse"], f["ht_n"]), -1, "collapse rate"),
-        Metric("mean_h", lambda f: _ratio(f["h"], f["ht_n"]), 0, "mean model H"),
-        Metric("mean_t", lambda f: _ratio(f["t"], f["ht_n"]), 0, "mean temperature"),
+               ** 2, -1, "var H^T", False),
+        Metric("collapse", lambda f: _ratio(f["ht_collapse"], f["ht_n"]), -1, "collapse rate",
+               False),
+        Metric("mean_h", lambda f: _ratio(f["h"], f["ht_n"]), 0, "mean model H", False),
+        Metric("mean_t", lambda f: _ratio(f["t"], f["ht_n"]), 0, "mean temperature", False),
     ]
     return ms
 
@@ -133,7 +140,8 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
     """Point values, changes against the baseline with 95 % intervals, super-additivity.
 
     Result: {"metrics": {name: {"label", "better"}}, "values": {config: {metric: x}},
-    "delta": {config: {metric: {"rel", "lo", "hi"}}} (relative change vs baseline),
+    "delta": {config: {metric: {"rel" or "abs", "lo", "hi"}}} (change vs baseline: relative
+    for performance and cost, absolute for quality and stability scores),
     "superadditivity": {config: {metric: {"s", "lo", "hi", "gain", "sum_single"}}} for
     each multi-layer configuration whose single layers all ran, "runs": run-level facts}.
     """
@@ -146,13 +154,21 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
     n = len(next(iter(fields.values()))["tokens"])
     values = {c: {m.name: m.fn(f) for m in metrics} for c, f in fields.items()}
     boot = paired_bootstrap(fields, {m.name: m.fn for m in metrics}, n, n_boot, seed)
+    def change(m: Metric, cfg: str, boot_: bool = False):
+        """Config minus baseline: relative or absolute (see Metric), on points or samples."""
+        src = boot if boot_ else values
+        v, b = src[cfg][m.name], src[base][m.name]
+        if m.relative:
+            return relative_change(v, b)
+        return np.asarray(v, dtype=float) - np.asarray(b, dtype=float)
+
     delta: dict = {}
     for c in names:
         delta[c] = {}
         for m in metrics:
-            rel = float(relative_change(values[c][m.name], values[base][m.name]))
-            lo, hi = interval(relative_change(boot[c][m.name], boot[base][m.name]))
-            delta[c][m.name] = {"rel": rel, "lo": lo, "hi": hi}
+            lo, hi = interval(change(m, c, True))
+            delta[c][m.name] = {"rel" if m.relative else "abs": float(change(m, c)),
+                                "lo": lo, "hi": hi}
     sup: dict = {}
     for c in names:
         layers = c.split("+")
@@ -162,18 +178,18 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
         for m in metrics:
             if not m.better:
                 continue
-            g = lambda cfg, b=None: m.better * relative_change(  # noqa: E731
-                values[cfg][m.name] if b is None else boot[cfg][m.name],
-                values[base][m.name] if b is None else boot[base][m.name])
-            s_point = float(superadditivity(g(c), [g(l) for l in layers]))
-            s_boot = superadditivity(g(c, 1), [g(l, 1) for l in layers])
-            lo, hi = interval(s_boot)
-            sup[c][m.name] = {"s": s_point, "lo": lo, "hi": hi, "gain": float(g(c)),
-                              "sum_single": float(sum(g(l) for l in layers))}
+            s_point = float(superadditivity(m.better * change(m, c),
+                                            [m.better * change(m, l) for l in layers]))
+            lo, hi = interval(superadditivity(m.better * change(m, c, True),
+                                              [m.better * change(m, l, True) for l in layers]))
+            sup[c][m.name] = {"s": s_point, "lo": lo, "hi": hi,
+                              "gain": float(m.better * change(m, c)),
+                              "sum_single": float(sum(m.better * change(m, l) for l in layers))}
     run_facts = {c: [{"repeat": r["repeat"], "makespan": r["makespan"],
                       "output_tok_s_makespan": sum(x["n_tokens"] for x in r["records"]) /
                       r["makespan"], "engine": r["engine"]} for r in rs]
                  for c, rs in runs.items()}
-    return {"metrics": {m.name: {"label": m.label, "better": m.better} for m in metrics},
+    return {"metrics": {m.name: {"label": m.label, "better": m.better, "relative": m.relative}
+                        for m in metrics},
             "values": values, "delta": delta, "superadditivity": sup, "runs": run_facts,
             "n_requests": n, "n_boot": n_boot}

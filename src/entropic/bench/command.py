@@ -27,6 +27,8 @@ def add_parsers(sub) -> None:
                    help="baseline's fixed temperature and the thermostat's T_0")
     a.add_argument("--target-entropy", type=float, default=1.0, help="thermostat H* (nats)")
     a.add_argument("--model", default=None, help="GGUF file or HF directory; None: the embedded model")
+    a.add_argument("--no-aa", dest="aa_control", action="store_false",
+                   help="skip the A/A control (the baseline run twice: the noise floor)")
     a.add_argument("--no-progress", dest="progress", action="store_false")
     a.set_defaults(func=cmd_ablation)
 
@@ -44,6 +46,7 @@ def cmd_ablation(args) -> int:
                            workload=spec, temperature=args.temperature,
                            target_entropy=args.target_entropy, threads=args.threads,
                            seed=args.seed, n_boot=args.bootstrap, progress=args.progress,
+                           aa_control=args.aa_control,
                            model=args.model)
     t0 = time.perf_counter()
     raw = run_ablation(opts)

@@ -31,10 +31,17 @@ def _num(x: float) -> str:
     return f"{x:.3f}"
 
 
-def _pct(d: dict) -> str:
-    if any(math.isnan(d[k]) for k in ("rel", "lo", "hi")):
+def _change(x: float, lo: float, hi: float, relative: bool) -> str:
+    """'+12.3% [+1.0, +20.0]' (relative) or '+0.012 [-0.004, +0.030]' (absolute)."""
+    if any(v is None or math.isnan(v) for v in (x, lo, hi)):
         return "n/a"
-    return f"{100 * d['rel']:+.1f}% [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+    if relative:
+        return f"{100 * x:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return f"{x:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _delta(d: dict, relative: bool) -> str:
+    return _change(d["rel" if relative else "abs"], d["lo"], d["hi"], relative)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -58,6 +65,12 @@ def markdown(raw: dict, summary: dict) -> str:
         f"{o['target_entropy']}, eta {o['eta']}, T in [{o['t_min']}, {o['t_max']}]); "
         f"{o['threads']} torch thread(s); wall time {raw['wall_seconds']:.0f} s.",
     ]
+    if "baseline-again" in configs:
+        parts.append("`baseline-again` is an A/A control: a second engine with the baseline's "
+                     "configuration, run in the same rotation. Its differences from the baseline "
+                     "are run-to-run noise (machine load, batch timing), which the per-request "
+                     "bootstrap intervals do not include: treat a layer's change as real only "
+                     "if it is clearly larger than baseline-again's.")
     if raw.get("unavailable"):
         parts.append("Not run: " + "; ".join(f"{k} ({v})" for k, v in raw["unavailable"].items()))
     parts.append("### Values\n\n" + _table(
@@ -66,25 +79,30 @@ def markdown(raw: dict, summary: dict) -> str:
     parts.append(_table(
         ["config"] + [labels[c]["label"] for c in QUALITY_COLS],
         [[c] + [_num(summary["values"][c][m]) for m in QUALITY_COLS] for c in configs]))
-    parts.append("### Change against the baseline (95 % paired-bootstrap interval)\n\n" + _table(
-        ["config"] + [labels[c]["label"] for c in DELTA_COLS],
-        [[c] + [_pct(summary["delta"][c][m]) for m in DELTA_COLS] for c in configs[1:]]))
+    parts.append("### Change against the baseline (95 % paired-bootstrap interval)\n\n"
+                 "Relative (%) for latency, throughput and cost; absolute difference for "
+                 "quality and stability scores.\n\n" + _table(
+                     ["config"] + [labels[c]["label"] for c in DELTA_COLS],
+                     [[c] + [_delta(summary["delta"][c][m], labels[m]["relative"])
+                             for m in DELTA_COLS] for c in configs[1:]]))
     sup = summary["superadditivity"]
-    if sup:
-        rows = []
-        for c, ms in sup.items():
-            for m in DELTA_COLS:
-                if m in ms:
-                    s = ms[m]
-                    ok = "yes" if s["lo"] > 0 else ("no (sub-additive)" if s["hi"] < 0
-                                                    else "not distinguishable")
-                    rows.append([c, labels[m]["label"], f"{100 * s['gain']:+.1f}%",
-                                 f"{100 * s['sum_single']:+.1f}%",
-                                 f"{100 * s['s']:+.1f}% [{100 * s['lo']:+.1f}, "
-                                 f"{100 * s['hi']:+.1f}]", ok])
-        parts.append("### Super-additivity (gains signed so that + is better)\n\n" + _table(
-            ["config", "metric", "its gain", "sum of single-layer gains",
-             "difference [95 % CI]", "super-additive?"], rows))
+    full = [c for c in sup if len(c.split("+")) == 3] or list(sup)  # all three, else pairs
+    rows = []
+    for c in full:
+        for m in DELTA_COLS:
+            if m in sup[c]:
+                s, rel = sup[c][m], labels[m]["relative"]
+                ok = "yes" if s["lo"] > 0 else ("no: sub-additive" if s["hi"] < 0
+                                                else "not distinguishable")
+                fmt = (lambda x: f"{100 * x:+.1f}%") if rel else (lambda x: f"{x:+.3f}")
+                rows.append([c, labels[m]["label"], fmt(s["gain"]), fmt(s["sum_single"]),
+                             _change(s["s"], s["lo"], s["hi"], rel), ok])
+    if rows:
+        parts.append("### Super-additivity: the combined gain against the sum of the single "
+                     "layers' gains\n\nGains signed so that + is better; the pairs are in "
+                     "ablation.json.\n\n" + _table(
+                         ["config", "metric", "its gain", "sum of single-layer gains",
+                          "difference [95 % CI]", "super-additive?"], rows))
     run_rows = []
     for c, rs in summary["runs"].items():
         for r in rs:
@@ -130,13 +148,17 @@ def plot(raw: dict, summary: dict, out: Path) -> dict[str, Path]:
     configs = list(summary["values"])[1:]
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     for ax, m in zip(axes.flat, PLOT_COLS):
+        rel = summary["metrics"][m]["relative"]
+        k, scale = ("rel", 100) if rel else ("abs", 1)
         d = [summary["delta"][c][m] for c in configs]
-        y = [100 * x["rel"] for x in d]
-        err = [[100 * (x["rel"] - x["lo"]) for x in d], [100 * (x["hi"] - x["rel"]) for x in d]]
+        y = [scale * x[k] for x in d]
+        err = [[max(0.0, scale * (x[k] - x["lo"])) for x in d],
+               [max(0.0, scale * (x["hi"] - x[k])) for x in d]]
         ax.bar(range(len(configs)), y, yerr=err, capsize=3, color="tab:blue")
         ax.axhline(0, color="k", lw=0.8)
         ax.set_xticks(range(len(configs)), configs, rotation=45, ha="right", fontsize=8)
-        ax.set_title(summary["metrics"][m]["label"] + " (% vs baseline)", fontsize=9)
+        unit = "% vs baseline" if rel else "minus baseline"
+        ax.set_title(f"{summary['metrics'][m]['label']} ({unit})", fontsize=9)
     fig.tight_layout()
     p1 = out / "ablation_deltas.png"
     fig.savefig(p1, dpi=80)
