@@ -232,7 +232,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     eng = state.engine.engine
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
+                  else body.max_tokens)
     if max_tokens is None:  # the rest of the context, within what the KV cache can hold
         room = min(eng.max_model_len, eng.num_blocks * eng.config.block_size) - len(ids)
         max_tokens = max(room, 1)
