@@ -2,7 +2,8 @@
 
 Per step and per request, from the step's chunks:
 - linear FLOPs: 2 * (parameters of the layers' projections) per computed token, plus
-  2 * vocab * hidden for each row whose logits were computed (the lm_head runs only there);
+  2 * vocab * hidden for each row whose logits were computed (the lm_head runs only there:
+  the sampled row, and prompt rows scored for prompt logprobs);
 - attention FLOPs: 4 * layers * heads * head_dim per (query token, attended KV position)
   pair (QK^T and AV); the attended count comes from the runner, so pruning shows;
 - KV bytes read: 2 (K and V) * layers * kv_heads * head_dim * element size per KV position
@@ -45,12 +46,14 @@ class ChunkWork:
     sampled: bool
     attended_pairs: int  # sum over the chunk's query tokens of KV positions attended
     kv_positions_read: int  # distinct KV positions read by the chunk
+    scored_rows: int = 0  # prompt rows whose logits were computed (teacher-forced scores)
 
 
-def dense_work(request_id: str, start: int, num_tokens: int, sampled: bool) -> ChunkWork:
+def dense_work(request_id: str, start: int, num_tokens: int, sampled: bool,
+               scored_rows: int = 0) -> ChunkWork:
     """Dense causal attention: token at position p attends p + 1 positions."""
     pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
-    return ChunkWork(request_id, num_tokens, sampled, pairs, start + num_tokens)
+    return ChunkWork(request_id, num_tokens, sampled, pairs, start + num_tokens, scored_rows)
 
 
 class CostModel:
@@ -69,7 +72,7 @@ class CostModel:
     def chunk_cost(self, w: ChunkWork) -> Cost:
         return Cost(
             flops_linear=self.linear_per_token * w.num_tokens
-            + (self.lm_head_per_row if w.sampled else 0.0),
+            + self.lm_head_per_row * (int(w.sampled) + w.scored_rows),
             flops_attention=self.attention_per_pair * w.attended_pairs,
             kv_bytes_read=self.kv_bytes_per_position * w.kv_positions_read,
         )

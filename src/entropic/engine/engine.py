@@ -11,9 +11,8 @@ from entropic.config import EngineConfig, ModelConfig
 from entropic.engine.block_policy import KVBlockPolicy, decode_context_length
 from entropic.engine.block_pool import BlockPool
 from entropic.engine.cost import ChunkWork, Cost, CostModel, dense_work
-from entropic.engine.kv_manager import EVICTED
 from entropic.engine.detokenizer import IncrementalDetokenizer
-from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.model_runner import ModelOutput, ModelRunner
 from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
@@ -251,7 +250,8 @@ class LLMEngine:
             self.stats.decode_blocks_attended += (num if c.attend_blocks is None
                                                   else len(c.attend_blocks))
         if c.attend_blocks is None:
-            return dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample)
+            return dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample,
+                              len(c.score_targets or ()))
         n = decode_context_length(c.attend_blocks, c.start_pos, bs)
         return ChunkWork(c.request_id, 1, c.sample, n, n)
 

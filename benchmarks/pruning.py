@@ -1,0 +1,275 @@
+"""Entropic KV-block pruning on long documents: speed, FLOPs and KV bytes, quality.
+
+    python benchmarks/pruning.py [--quick] [--threads 1] [--out results/pruning.json]
+
+Three parts, all greedy, on SmolLM2-135M-Instruct bf16:
+1. Teacher-forced continuation (ACLSum paper bodies, Shakespeare acts; contexts of 1k, 2k,
+   4k, 8k tokens): the first L tokens of a document are the prompt, the next C are forced.
+   Per configuration: decode tokens/s (1 / median inter-token time, batch 1), attention
+   FLOPs and KV bytes read by the decode steps, the share of live blocks skipped, the
+   perplexity of the held-back continuation, and the mean KL(dense || pruned) of the
+   next-token distributions. The dense prefill runs once per document and context; its KV
+   is copied into each configuration's engine (entropic.bench.forking), so only decode
+   steps differ.
+2. Summaries: each paper excerpt (L tokens) summarised in chat form, 96 tokens; ROUGE-L of
+   the pruned summary against the dense one (and of both against the paper's abstract).
+3. Eviction under a fixed KV budget: chat summaries of N paper excerpts at once with the
+   cache holding ~half of what they need; dense (preemption by recompute), pruned, and
+   pruned with eviction. Peak and mean concurrency, preemptions, evicted blocks, wall
+   time, output tokens/s, ROUGE-L against unconstrained dense outputs.
+Prints Markdown tables and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rouge_score import rouge_scorer
+
+from entropic import LLM, SamplingParams
+from entropic.bench.datasets import load_longdocs
+from entropic.bench.forking import PrefilledPrompt, TeacherForcer
+from entropic.control.pruning import EntropicBlockPruner, PruningConfig
+from entropic.engine.engine import LLMEngine
+
+BLOCK = 16
+CONFIGS = {
+    "dense": None,
+    "mass rho=0.5": PruningConfig(min_keep_fraction=0.5),
+    "mass rho=0.25": PruningConfig(min_keep_fraction=0.25),
+    "mass rho=0.125": PruningConfig(min_keep_fraction=0.125),
+    "surprisal rho=0.25": PruningConfig(score="surprisal", min_keep_fraction=0.25),
+    "hybrid rho=0.25": PruningConfig(score="hybrid", min_keep_fraction=0.25),
+}
+QUICK_CONFIGS = ("dense", "mass rho=0.25", "surprisal rho=0.25")
+
+
+def engine_for(llm: LLM, cfg: PruningConfig | None, processors=(), **limits) -> LLMEngine:
+    """A fresh engine over the loaded weights with this pruning configuration."""
+    from dataclasses import replace
+    config = replace(llm.engine.config, **limits)
+    pruner = EntropicBlockPruner(cfg, BLOCK) if cfg is not None else None
+    return LLMEngine(llm.engine.model, llm.tokenizer, config, processors=processors,
+                     block_policy=pruner)
+
+
+def median_gap(times: list[float]) -> float:
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def decode_from(pre: PrefilledPrompt, eng: LLMEngine, params: SamplingParams) -> dict:
+    """Decode a prefilled prompt to the end on `eng`; decode-only counters."""
+    pre.start_in(eng, "x", params)
+    (out,) = eng.run_until_done()
+    st = eng.stats
+    return {"out": out, "tok_s": 1.0 / median_gap(out.metrics.token_times),
+            "attn_gflop": st.cost.flops_attention / 1e9, "kv_gb": st.cost.kv_bytes_read / 1e9,
+            "pruned": st.pruned_fraction}
+
+
+# ---- part 1: teacher-forced continuation ------------------------------------------------
+def forced(llm: LLM, docs: list[dict], contexts: list[int], cont: int, configs: list[str],
+           log) -> list[dict]:
+    rows = []
+    for doc in docs:
+        ids = llm.tokenizer.encode(doc["text"])
+        for L in contexts:
+            if len(ids) < L + cont:
+                continue
+            prompt, target = ids[:L], ids[L:L + cont]
+            need = -(-(L + cont) // BLOCK) + 1
+            forcer = TeacherForcer(keep_distributions=True)
+            forcer.targets = {"prefill": target, "x": target}
+            sp = SamplingParams(max_tokens=cont, temperature=0, ignore_eos=True, logprobs=0)
+            pre_eng = engine_for(llm, None, [forcer], num_kv_blocks=need)
+            pre = PrefilledPrompt.run(pre_eng, prompt, SamplingParams(
+                max_tokens=cont, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0))
+            del pre_eng
+            dense_logp = None
+            for name in configs:
+                forcer.logps = {}
+                eng = engine_for(llm, CONFIGS[name], [forcer], num_kv_blocks=need)
+                r = decode_from(pre, eng, sp)
+                logp = torch.stack(forcer.logps["x"])  # steps 1..cont-1 (step 0 is prefill)
+                nll = [-lp.logprob for lp in r["out"].logprobs[1:]]
+                kl = 0.0
+                if name == "dense":
+                    dense_logp = logp
+                else:
+                    kl = float((dense_logp.exp() * (dense_logp - logp)).sum(-1).mean())
+                row = {"doc": doc["id"], "kind": doc["kind"], "context": L, "config": name,
+                       "tok_s": r["tok_s"], "attn_gflop": r["attn_gflop"], "kv_gb": r["kv_gb"],
+                       "pruned": r["pruned"], "ppl": math.exp(sum(nll) / len(nll)), "kl": kl}
+                rows.append(row)
+                log(f"  {doc['id']:>20} L={L:5d} {name:>20}: {r['tok_s']:6.1f} tok/s "
+                    f"pruned {r['pruned']:.2f} ppl {row['ppl']:7.2f} kl {kl:.4f}")
+                del eng
+    return rows
+
+
+# ---- part 2: summaries ------------------------------------------------------------------
+def summary_prompt(llm: LLM, text: str, L: int) -> list[int]:
+    body = llm.tokenizer.decode(llm.tokenizer.encode(text)[:L])
+    msg = "Summarize the main contribution of this paper in three sentences.\n\n" + body
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": msg}])
+
+
+def summaries(llm: LLM, papers: list[dict], contexts: list[int], max_tokens: int,
+              configs: list[str], log) -> list[dict]:
+    rouge = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    rows = []
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0)
+    for doc in papers:
+        for L in contexts:
+            prompt = summary_prompt(llm, doc["text"], L)
+            need = -(-(len(prompt) + max_tokens) // BLOCK) + 1
+            pre = PrefilledPrompt.run(engine_for(llm, None, num_kv_blocks=need), prompt,
+                                      SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                     logprobs=0, prompt_logprobs=0))
+            dense_text = None
+            for name in configs:
+                r = decode_from(pre, engine_for(llm, CONFIGS[name], num_kv_blocks=need), sp)
+                text = llm.tokenizer.decode(r["out"].token_ids)
+                if name == "dense":
+                    dense_text = text
+                row = {"doc": doc["id"], "context": L, "config": name, "tok_s": r["tok_s"],
+                       "pruned": r["pruned"],
+                       "rougeL_vs_dense": rouge.score(dense_text, text)["rougeL"].fmeasure,
+                       "rougeL_vs_abstract": rouge.score(doc["reference"], text)["rougeL"].fmeasure,
+                       "text": text}
+                rows.append(row)
+                log(f"  {doc['id']:>20} L={L:5d} {name:>20}: rougeL vs dense "
+                    f"{row['rougeL_vs_dense']:.3f}")
+    return rows
+
+
+# ---- part 3: eviction -------------------------------------------------------------------
+def eviction(llm: LLM, papers: list[dict], n: int, L: int, max_tokens: int, log) -> list[dict]:
+    rouge = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    prompts = [summary_prompt(llm, papers[i % len(papers)]["text"][(i // len(papers)) * 500:], L)
+               for i in range(n)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    full = sum(-(-(len(p) + max_tokens) // BLOCK) for p in prompts)
+    tight = full // 2
+    runs = [("dense, unconstrained", None, full + n), ("dense", None, tight),
+            ("mass rho=0.25", CONFIGS["mass rho=0.25"], tight),
+            ("mass rho=0.25 + evict", PruningConfig(min_keep_fraction=0.25, evict=True), tight)]
+    rows, ref = [], None
+    for name, cfg, blocks in runs:
+        eng = engine_for(llm, cfg, num_kv_blocks=blocks, max_num_seqs=n)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"e{i}", p, sp)
+        conc, outs = [], {}
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+            conc.append(len(eng.scheduler.running))
+        wall = time.perf_counter() - t0
+        texts = [llm.tokenizer.decode(outs[f"e{i}"].token_ids) for i in range(n)]
+        if ref is None:
+            ref = texts
+        rl = statistics.mean(rouge.score(a, b)["rougeL"].fmeasure for a, b in zip(ref, texts))
+        st = eng.stats
+        row = {"config": name, "kv_blocks": blocks, "wall_s": wall,
+               "out_tok_s": n * max_tokens / wall, "peak_running": max(conc),
+               "mean_running": statistics.mean(conc), "preemptions": st.preemptions,
+               "evicted_blocks": st.blocks_evicted, "pruned": st.pruned_fraction,
+               "rougeL_vs_unconstrained": rl}
+        rows.append(row)
+        log(f"  {name:>24}: {wall:6.1f} s, peak {row['peak_running']} running, "
+            f"{st.preemptions} preemptions, {st.blocks_evicted} evicted, rougeL {rl:.3f}")
+    return rows
+
+
+# ---- report -----------------------------------------------------------------------------
+def forced_table(rows: list[dict], configs: list[str]) -> str:
+    out = ["| context | config | decode tok/s (x dense) | attention GFLOP (x dense) | "
+           "KV GB read (x dense) | blocks skipped | perplexity (dense) | KL vs dense |",
+           "|---|---|---|---|---|---|---|---|"]
+    for L in sorted({r["context"] for r in rows}):
+        at = [r for r in rows if r["context"] == L]
+        base = {r["doc"]: r for r in at if r["config"] == "dense"}
+        for name in configs:
+            rs = [r for r in at if r["config"] == name]
+            if not rs:
+                continue
+            med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+            ratio = lambda k: statistics.median(r[k] / base[r["doc"]][k] for r in rs)  # noqa: E731
+            out.append(f"| {L} | {name} | {med('tok_s'):.1f} ({ratio('tok_s'):.2f}x) | "
+                       f"{med('attn_gflop'):.2f} ({ratio('attn_gflop'):.2f}x) | "
+                       f"{med('kv_gb'):.2f} ({ratio('kv_gb'):.2f}x) | {med('pruned'):.2f} | "
+                       f"{med('ppl'):.2f} ({statistics.median(base[r['doc']]['ppl'] for r in rs):.2f})"
+                       f" | {med('kl'):.4f} |")
+    return "\n".join(out)
+
+
+def summary_table(rows: list[dict], configs: list[str]) -> str:
+    out = ["| context | config | ROUGE-L vs dense | ROUGE-L vs abstract | blocks skipped |",
+           "|---|---|---|---|---|"]
+    for L in sorted({r["context"] for r in rows}):
+        for name in configs:
+            rs = [r for r in rows if r["context"] == L and r["config"] == name]
+            if rs:
+                out.append(f"| {L} | {name} | "
+                           f"{statistics.mean(r['rougeL_vs_dense'] for r in rs):.3f} | "
+                           f"{statistics.mean(r['rougeL_vs_abstract'] for r in rs):.3f} | "
+                           f"{statistics.mean(r['pruned'] for r in rs):.2f} |")
+    return "\n".join(out)
+
+
+def eviction_table(rows: list[dict]) -> str:
+    out = ["| config | KV blocks | wall s | output tok/s | peak / mean running | preemptions | "
+           "evicted blocks | ROUGE-L vs unconstrained |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['config']} | {r['kv_blocks']} | {r['wall_s']:.1f} | "
+                   f"{r['out_tok_s']:.1f} | {r['peak_running']} / {r['mean_running']:.1f} | "
+                   f"{r['preemptions']} | {r['evicted_blocks']} | "
+                   f"{r['rougeL_vs_unconstrained']:.3f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1k/2k contexts, 3 configs (~5 min)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/pruning.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    llm = LLM(max_num_batched_tokens=2048, num_kv_blocks=16)
+    papers, plays = load_longdocs("paper"), load_longdocs("play")
+    if args.quick:
+        configs, contexts, cont = list(QUICK_CONFIGS), [1024, 2048], 24
+        docs, sum_papers, sum_ctx, ev = [papers[0], plays[0]], papers[:1], [1024], (4, 600, 48)
+    else:
+        configs, contexts, cont = list(CONFIGS), [1024, 2048, 4096, 8000], 48
+        docs, sum_papers, sum_ctx, ev = (papers[:2] + plays[:2], papers, [2048, 4096],
+                                         (8, 1200, 96))
+    log("## part 1: teacher-forced continuation")
+    forced_rows = forced(llm, docs, contexts, cont, configs, log)
+    log("## part 2: summaries")
+    sum_rows = summaries(llm, sum_papers, sum_ctx, 96, configs, log)
+    log("## part 3: eviction under a fixed KV budget")
+    ev_rows = eviction(llm, papers, *ev, log)
+    report = "\n\n".join([forced_table(forced_rows, configs), summary_table(sum_rows, configs),
+                          eviction_table(ev_rows)])
+    print("\n" + report)
+    meta = {"threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
+            "wall_s": time.perf_counter() - t0, "configs": {k: repr(CONFIGS[k]) for k in configs}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "forced": forced_rows,
+                                          "summaries": sum_rows, "eviction": ev_rows,
+                                          "report": report}, indent=1))
+    log(f"wrote {args.out} ({meta['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
