@@ -178,9 +178,13 @@ def run_ablation(opts: AblationOptions) -> dict:
     items = build_items(tokenizer, opts.workload)
     if not items:
         raise ValueError("the workload is empty")
-    for _, llm, probe in engines.values():  # warm-up: first-call costs out of the timings
-        llm.generate([items[0].prompt_ids[:64]], sampling_params(
-            WorkItem("warm", "chat", [], 4, True), AblationConfig(), opts, 0))
+    # Warm-up: the shortest and the longest prompt together, so that first-call costs
+    # (kernel selection for each shape, allocator growth) stay out of the timings.
+    warm = [min(items, key=lambda i: len(i.prompt_ids)).prompt_ids,
+            max(items, key=lambda i: len(i.prompt_ids)).prompt_ids]
+    for _, llm, probe in engines.values():
+        llm.generate(warm, sampling_params(WorkItem("warm", "chat", [], 8, True),
+                                           AblationConfig(), opts, 0))
         probe.h.clear()
 
     bar = None
