@@ -188,6 +188,30 @@ def eviction(llm: LLM, papers: list[dict], n: int, L: int, max_tokens: int, log)
     return rows
 
 
+# ---- part 4: what scoring the prompt costs (surprisal and hybrid need it) ---------------
+def scoring_cost(llm: LLM, doc: dict, contexts: list[int], repeats: int, log) -> list[dict]:
+    """Prefill time with and without teacher-forced prompt scoring, interleaved."""
+    rows = []
+    ids = llm.tokenizer.encode(doc["text"])
+    for L in contexts:
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(repeats):
+            for scored in (False, True):
+                eng = engine_for(llm, None, num_kv_blocks=-(-L // BLOCK) + 2)
+                sp = SamplingParams(max_tokens=1, temperature=0,
+                                    prompt_logprobs=0 if scored else None)
+                t = time.perf_counter()
+                eng.add_request("p", ids[:L], sp)
+                eng.run_until_done()
+                times[scored].append(time.perf_counter() - t)
+        plain, scored = statistics.median(times[False]), statistics.median(times[True])
+        rows.append({"context": L, "prefill_s": plain, "prefill_scored_s": scored,
+                     "ratio": scored / plain})
+        log(f"  L={L}: prefill {plain:.2f} s, with prompt scoring {scored:.2f} s "
+            f"({scored / plain:.2f}x)")
+    return rows
+
+
 # ---- report -----------------------------------------------------------------------------
 def forced_table(rows: list[dict], configs: list[str]) -> str:
     out = ["| context | config | decode tok/s (x dense) | attention GFLOP (x dense) | "
@@ -240,6 +264,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1k/2k contexts, 3 configs (~5 min)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/pruning.json")
+    ap.add_argument("--parts", nargs="+", default=["forced", "summaries", "eviction", "scoring"],
+                    choices=["forced", "summaries", "eviction", "scoring"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -253,20 +279,35 @@ def main() -> None:
         configs, contexts, cont = list(CONFIGS), [1024, 2048, 4096, 8000], 48
         docs, sum_papers, sum_ctx, ev = (papers[:2] + plays[:2], papers, [2048, 4096],
                                          (8, 1200, 96))
-    log("## part 1: teacher-forced continuation")
-    forced_rows = forced(llm, docs, contexts, cont, configs, log)
-    log("## part 2: summaries")
-    sum_rows = summaries(llm, sum_papers, sum_ctx, 96, configs, log)
-    log("## part 3: eviction under a fixed KV budget")
-    ev_rows = eviction(llm, papers, *ev, log)
-    report = "\n\n".join([forced_table(forced_rows, configs), summary_table(sum_rows, configs),
-                          eviction_table(ev_rows)])
+    forced_rows = sum_rows = ev_rows = sc_rows = []
+    tables = []
+    if "forced" in args.parts:
+        log("## part 1: teacher-forced continuation")
+        forced_rows = forced(llm, docs, contexts, cont, configs, log)
+        tables.append(forced_table(forced_rows, configs))
+    if "summaries" in args.parts:
+        log("## part 2: summaries")
+        sum_rows = summaries(llm, sum_papers, sum_ctx, 96, configs, log)
+        tables.append(summary_table(sum_rows, configs))
+    if "eviction" in args.parts:
+        log("## part 3: eviction under a fixed KV budget")
+        ev_rows = eviction(llm, papers, *ev, log)
+        tables.append(eviction_table(ev_rows))
+    if "scoring" in args.parts:
+        log("## part 4: prompt scoring cost")
+        sc_rows = scoring_cost(llm, plays[0], contexts, 1 if args.quick else 3, log)
+        tables.append("| context | prefill s | with prompt scoring s | ratio |\n|---|---|---|---|\n"
+                      + "\n".join(f"| {r['context']} | {r['prefill_s']:.2f} | "
+                                  f"{r['prefill_scored_s']:.2f} | {r['ratio']:.2f}x |"
+                                  for r in sc_rows))
+    report = "\n\n".join(tables)
     print("\n" + report)
     meta = {"threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
             "wall_s": time.perf_counter() - t0, "configs": {k: repr(CONFIGS[k]) for k in configs}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "forced": forced_rows,
                                           "summaries": sum_rows, "eviction": ev_rows,
+                                          "scoring": sc_rows,
                                           "report": report}, indent=1))
     log(f"wrote {args.out} ({meta['wall_s']:.0f} s)")
 
