@@ -51,7 +51,7 @@ class PruningConfig:
     sink_blocks: int = 1
     recent_blocks: int = 2
     min_blocks: int = 4
-    refresh_interval: int = 16
+    refresh_interval: int = 16  # mass scores: every this many decodes, one dense step
     mass_decay: float = 0.5  # weight of the old value in the moving average
     evict: bool = False
 
@@ -163,7 +163,8 @@ class EntropicBlockPruner:
         s.grow(num_blocks)
         s.last_theta = None
         dense = BlockSelection(None, collect_attention=self.uses_mass)
-        if s.decodes_since_dense >= cfg.refresh_interval - 1 or not req.entropies:
+        if not req.entropies or (self.uses_mass
+                                 and s.decodes_since_dense >= cfg.refresh_interval - 1):
             s.decodes_since_dense = 0
             return dense
         s.decodes_since_dense += 1
