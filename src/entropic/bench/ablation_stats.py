@@ -63,6 +63,8 @@ def metric_table(repeats: int) -> list[Metric]:
                Metric(f"{lat}_p50", lambda f, k=lat: _nan_stat(f[k], 50), -1, f"{lat} p50 (s)"),
                Metric(f"{lat}_p99", lambda f, k=lat: _nan_stat(f[k], 99), -1, f"{lat} p99 (s)")]
     ms += [
+        Metric("tokens", lambda f: float(np.sum(f["tokens"])) / repeats, 0,
+               "output tokens per run"),
         Metric("tok_s", lambda f: _ratio(f["tokens"], f["seconds"]), +1, "output tok/s"),
         Metric("tau", lambda f: float(np.sum(f["tau"])) / repeats, 0, "tau per run (nats)"),
         Metric("tau_per_tflop", lambda f: _ratio(f["tau"], (f["flops_linear"] +

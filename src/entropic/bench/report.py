@@ -6,12 +6,12 @@ import math
 from pathlib import Path
 
 VALUE_COLS = ["e2e_mean", "e2e_p50", "e2e_p99", "ttft_mean", "ttft_p50", "ttft_p99",
-              "tpot_mean", "tpot_p50", "tpot_p99", "tok_s", "tau", "tau_per_tflop", "tau_per_s",
-              "tflops_linear", "tflops_attention", "kv_gb_read"]
+              "tpot_mean", "tpot_p50", "tpot_p99", "tokens", "tok_s", "tau", "tau_per_tflop",
+              "tau_per_s", "tflops_linear", "tflops_attention", "kv_gb_read"]
 QUALITY_COLS = ["rouge1_ref", "rouge2_ref", "rougeL_ref", "bleu_ref", "rouge1_base",
                 "rouge2_base", "rougeL_base", "bleu_base", "accuracy", "ht_abs_err", "ht_var",
                 "collapse", "mean_h", "mean_t"]
-DELTA_COLS = ["e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "tok_s",
+DELTA_COLS = ["e2e_mean", "e2e_p99", "ttft_mean", "ttft_p99", "tpot_mean", "tokens", "tok_s",
               "tau_per_tflop", "tau_per_s", "tflops_attention", "kv_gb_read", "rougeL_ref",
               "bleu_ref", "rougeL_base", "accuracy", "ht_abs_err", "collapse"]
 PLOT_COLS = ["e2e_mean", "e2e_p99", "tok_s", "tau_per_tflop", "tflops_attention", "rougeL_ref",
