@@ -30,6 +30,9 @@ def add_parsers(sub) -> None:
     a.add_argument("--no-aa", dest="aa_control", action="store_false",
                    help="skip the A/A control (the baseline run twice: the noise floor)")
     a.add_argument("--no-progress", dest="progress", action="store_false")
+    a.add_argument("--report-only", action="store_true",
+                   help="recompute statistics, tables and plots from the files already in "
+                   "--out (no model run)")
     a.set_defaults(func=cmd_ablation)
 
 
@@ -49,8 +52,11 @@ def cmd_ablation(args) -> int:
                            aa_control=args.aa_control,
                            model=args.model)
     t0 = time.perf_counter()
-    raw = run_ablation(opts)
-    raw["command"] = "entropic " + " ".join(sys.argv[1:])
+    if args.report_only:
+        raw = report.load_raw(args.out)
+    else:
+        raw = run_ablation(opts)
+        raw["command"] = "entropic " + " ".join(sys.argv[1:])
     summary = summarise(raw, n_boot=args.bootstrap, seed=args.seed)
     paths = report.write(raw, summary, args.out)
     print(paths["md"].read_text())
