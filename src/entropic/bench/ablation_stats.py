@@ -176,19 +176,19 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
     sup: dict = {}
     for c in names:
         layers = c.split("+")
-        if len(layers) < 2 or not all(l in runs for l in layers):
+        if len(layers) < 2 or not all(x in runs for x in layers):
             continue
         sup[c] = {}
         for m in metrics:
             if not m.better:
                 continue
             s_point = float(superadditivity(m.better * change(m, c),
-                                            [m.better * change(m, l) for l in layers]))
+                                            [m.better * change(m, x) for x in layers]))
             lo, hi = interval(superadditivity(m.better * change(m, c, True),
-                                              [m.better * change(m, l, True) for l in layers]))
+                                              [m.better * change(m, x, True) for x in layers]))
             sup[c][m.name] = {"s": s_point, "lo": lo, "hi": hi,
                               "gain": float(m.better * change(m, c)),
-                              "sum_single": float(sum(m.better * change(m, l) for l in layers))}
+                              "sum_single": float(sum(m.better * change(m, x) for x in layers))}
     run_facts = {c: [{"repeat": r["repeat"], "makespan": r["makespan"],
                       "output_tok_s_makespan": sum(x["n_tokens"] for x in r["records"]) /
                       r["makespan"], "engine": r["engine"]} for r in rs]

@@ -26,7 +26,8 @@ def add_parsers(sub) -> None:
     a.add_argument("--temperature", type=float, default=0.7,
                    help="baseline's fixed temperature and the thermostat's T_0")
     a.add_argument("--target-entropy", type=float, default=1.0, help="thermostat H* (nats)")
-    a.add_argument("--model", default=None, help="GGUF file or HF directory; None: the embedded model")
+    a.add_argument("--model", default=None,
+                   help="GGUF file or HF directory; None: the embedded model")
     a.add_argument("--no-aa", dest="aa_control", action="store_false",
                    help="skip the A/A control (the baseline run twice: the noise floor)")
     a.add_argument("--no-progress", dest="progress", action="store_false")

@@ -55,8 +55,9 @@ def markdown(raw: dict, summary: dict) -> str:
     o, labels = raw["options"], summary["metrics"]
     configs = list(summary["values"])
     w = o["workload"]
+    kinds = ", ".join(f"{v} {k}" for k, v in raw["kinds"].items())
     parts = [
-        f"Workload: {raw['items']} requests per run ({', '.join(f'{v} {k}' for k, v in raw['kinds'].items())}), "
+        f"Workload: {raw['items']} requests per run ({kinds}), "
         f"{raw['prompt_tokens']:,} prompt tokens, Poisson arrivals at {w['rate']}/s; "
         f"{o['repeats']} repeat(s), {summary['n_requests']} request pairs in the bootstrap "
         f"({summary['n_boot']} resamples); max_num_seqs {o['max_num_seqs']}, "
