@@ -45,7 +45,12 @@ CONFIGS = {
     "mass rho=0.125": PruningConfig(min_keep_fraction=0.125),
     "surprisal rho=0.25": PruningConfig(score="surprisal", min_keep_fraction=0.25),
     "hybrid rho=0.25": PruningConfig(score="hybrid", min_keep_fraction=0.25),
+    # entropy-blind controls: the same budget at every step (h_low above any entropy)
+    "mass fixed 0.75": PruningConfig(min_keep_fraction=0.75, h_low=99.0, h_high=100.0),
+    "mass fixed 0.5": PruningConfig(min_keep_fraction=0.5, h_low=99.0, h_high=100.0),
 }
+DEFAULT_CONFIGS = ("dense", "mass rho=0.5", "mass rho=0.25", "mass rho=0.125",
+                   "surprisal rho=0.25", "hybrid rho=0.25")
 QUICK_CONFIGS = ("dense", "mass rho=0.25", "surprisal rho=0.25")
 
 
@@ -264,6 +269,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1k/2k contexts, 3 configs (~5 min)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/pruning.json")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
+                    help="configurations (dense first); default: all but the fixed controls")
+    ap.add_argument("--contexts", nargs="+", type=int, default=None)
     ap.add_argument("--parts", nargs="+", default=["forced", "summaries", "eviction", "scoring"],
                     choices=["forced", "summaries", "eviction", "scoring"])
     args = ap.parse_args()
@@ -276,9 +284,14 @@ def main() -> None:
         configs, contexts, cont = list(QUICK_CONFIGS), [1024, 2048], 24
         docs, sum_papers, sum_ctx, ev = [papers[0], plays[0]], papers[:1], [1024], (4, 600, 48)
     else:
-        configs, contexts, cont = list(CONFIGS), [1024, 2048, 4096, 8000], 48
+        configs, contexts, cont = list(DEFAULT_CONFIGS), [1024, 2048, 4096, 8000], 48
         docs, sum_papers, sum_ctx, ev = (papers[:2] + plays[:2], papers, [2048, 4096],
                                          (8, 1200, 96))
+    if args.configs:
+        if args.configs[0] != "dense":
+            ap.error("--configs: the first configuration must be dense (the reference)")
+        configs = args.configs
+    contexts = args.contexts or contexts
     forced_rows = sum_rows = ev_rows = sc_rows = []
     tables = []
     if "forced" in args.parts:
