@@ -263,3 +263,21 @@ def test_pruned_decode_reads_fewer_kv_bytes_and_stays_close(llm_fp32, chat_promp
     assert p.cost.flops_linear == d.cost.flops_linear
     # the first decode is dense and greedy: the first tokens agree
     assert runs["pruned"].token_ids[:2] == runs["dense"].token_ids[:2]
+
+
+@pytest.mark.model
+def test_prefill_copied_into_another_engine_decodes_the_same(llm_fp32, chat_prompts):
+    """The pruning benchmark prefills once and copies the KV into each configuration's
+    engine: decoding from the copy must give what a full run gives."""
+    from entropic.bench.forking import PrefilledPrompt
+    from entropic.engine.engine import LLMEngine
+    eng = llm_fp32.engine
+    prompt = chat_prompts[7]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    (full,) = llm_fp32.generate([prompt], sp)
+    pre = PrefilledPrompt.run(LLMEngine(eng.model, eng.tokenizer, eng.config), prompt, sp)
+    fresh = LLMEngine(eng.model, eng.tokenizer, eng.config)
+    pre.start_in(fresh, "copy", sp)
+    (out,) = fresh.run_until_done()
+    assert out.token_ids == full.token_ids and out.entropies == full.entropies
+    assert fresh.pool.num_free == fresh.num_blocks
