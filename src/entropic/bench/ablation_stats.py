@@ -90,7 +90,7 @@ def metric_table(repeats: int) -> list[Metric]:
     ms += [
         Metric("accuracy", lambda f: _masked_mean(f["correct"], f["m_sqa"]), +1,
                "strategyqa accuracy", False),
-        Metric("ht_abs_err", lambda f: _ratio(f["ht_abs"], f["ht_n"]), -1, "mean |H^T - H*|",
+        Metric("ht_abs_err", lambda f: _ratio(f["ht_abs"], f["ht_n"]), -1, "mean abs(H^T - H*)",
                False),
         Metric("ht_var", lambda f: _ratio(f["ht_sq"], f["ht_n"]) - _ratio(f["ht"], f["ht_n"])
                ** 2, -1, "var H^T", False),
