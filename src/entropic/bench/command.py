@@ -13,7 +13,7 @@ def add_parsers(sub) -> None:
                        "(SPEC section 6); writes DIR/ablation.json, ablation.md and PNG plots",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a.add_argument("--quick", action="store_true",
-                   help="small workload, 1 repeat (about 3 minutes with all 8 configurations)")
+                   help="small workload, 1 repeat (about 2 minutes on 2 cores)")
     a.add_argument("--out", default="results/ablation", help="output directory")
     a.add_argument("--configs", nargs="+", default=None,
                    help="subset, baseline first (e.g. baseline sched thermo sched+thermo); "
