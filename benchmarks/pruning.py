@@ -45,9 +45,9 @@ CONFIGS = {
     "mass rho=0.125": PruningConfig(min_keep_fraction=0.125),
     "surprisal rho=0.25": PruningConfig(score="surprisal", min_keep_fraction=0.25),
     "hybrid rho=0.25": PruningConfig(score="hybrid", min_keep_fraction=0.25),
-    # entropy-blind controls: the same budget at every step (h_low above any entropy)
-    "mass fixed 0.75": PruningConfig(min_keep_fraction=0.75, h_low=99.0, h_high=100.0),
-    "mass fixed 0.5": PruningConfig(min_keep_fraction=0.5, h_low=99.0, h_high=100.0),
+    # entropy-blind controls: the same budget at every step
+    "mass fixed 0.75": PruningConfig(min_keep_fraction=0.75, adaptive=False),
+    "mass fixed 0.5": PruningConfig(min_keep_fraction=0.5, adaptive=False),
 }
 DEFAULT_CONFIGS = ("dense", "mass rho=0.5", "mass rho=0.25", "mass rho=0.125",
                    "surprisal rho=0.25", "hybrid rho=0.25")

@@ -44,6 +44,8 @@ def test_keep_fraction_is_dense_when_uncertain_and_sparse_when_certain():
     hs = [i / 10 for i in range(60)]
     fr = [cfg.keep_fraction(h) for h in hs]
     assert fr == sorted(fr)  # theta rises (fewer blocks kept) as entropy falls
+    fixed = PruningConfig(min_keep_fraction=0.4, adaptive=False)
+    assert {fixed.keep_fraction(h) for h in hs} == {0.4}
 
 
 @settings(max_examples=300, deadline=None)

@@ -45,6 +45,9 @@ class PruningConfig:
     score: str = "mass"
     hybrid_weight: float = 0.5
     min_keep_fraction: float = 0.25  # rho_min: the sparsest budget, at low entropy
+    # False: keep min_keep_fraction at every step whatever the entropy (an entropy-blind
+    # budget; docs/pruning.md measures it against the entropy law)
+    adaptive: bool = True
     h_low: float = 0.5  # nats: at or below, the sparsest budget
     h_high: float = 3.0  # nats: at or above, dense
     h_floor: float = 0.0
@@ -63,6 +66,8 @@ class PruningConfig:
         if not 0.0 < self.min_keep_fraction <= 1.0:
             raise ValueError(f"pruning.min_keep_fraction must be in (0, 1], "
                              f"got {self.min_keep_fraction}")
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"pruning.adaptive must be a bool, got {self.adaptive!r}")
         if not 0.0 <= self.h_low < self.h_high:
             raise ValueError(f"pruning: need 0 <= h_low < h_high, got h_low={self.h_low}, "
                              f"h_high={self.h_high}")
@@ -86,6 +91,8 @@ class PruningConfig:
 
     def keep_fraction(self, entropy: float) -> float:
         """rho(H): the share of live blocks kept at entropy H."""
+        if not self.adaptive:
+            return self.min_keep_fraction
         h = max(entropy, self.h_floor)
         x = min(1.0, max(0.0, (h - self.h_low) / (self.h_high - self.h_low)))
         return self.min_keep_fraction + (1.0 - self.min_keep_fraction) * x
