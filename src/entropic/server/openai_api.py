@@ -123,6 +123,17 @@ async def _guarded(chunks: AsyncIterator[str], stream: RequestStream) -> AsyncIt
         stream.close()
 
 
+async def _respond(job, stream: RequestStream, streaming: bool, request: Request) -> Response:
+    """An SSE stream of the job's chunks, or its whole body once the request finishes
+    (499 if the client left first)."""
+    if streaming:
+        return _sse_response(_guarded(job.chunks(stream), stream))
+    out = await _final(stream, request)
+    if out is None:
+        return Response(status_code=499)
+    return JSONResponse(job.body(out))
+
+
 # ---- /v1/completions ------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -146,12 +157,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo:
         echo_text = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
     job = _Completion(state, body, rid, ids, echo_text, max_tokens == 0)
-    if body.stream:
-        return _sse_response(_guarded(job.chunks(stream), stream))
-    out = await _final(stream, request)
-    if out is None:
-        return Response(status_code=499)
-    return JSONResponse(job.body(out))
+    return await _respond(job, stream, body.stream, request)
 
 
 class _Completion:
@@ -242,12 +248,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, ids, params)
     job = _Chat(state, body, rid, len(ids))
-    if body.stream:
-        return _sse_response(_guarded(job.chunks(stream), stream))
-    out = await _final(stream, request)
-    if out is None:
-        return Response(status_code=499)
-    return JSONResponse(job.body(out))
+    return await _respond(job, stream, body.stream, request)
 
 
 class _Chat:
