@@ -167,3 +167,14 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
     assert all(0.2 - 1e-6 <= t <= 2.0 + 1e-6 for t in thermo_t)
     assert "| baseline |" in paths["md"].read_text()
     assert paths["plot_deltas"].stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kw, flag", [({"repeats": 0}, "--repeats"), ({"threads": 0}, "--threads"),
+                                      ({"n_boot": 0}, "--bootstrap"),
+                                      ({"temperature": 0.0}, "--temperature"),
+                                      ({"target_entropy": -1.0}, "--target-entropy"),
+                                      ({"configs": ["baseline", "bogus"]}, "bogus")])
+def test_bad_options_are_refused_before_any_run(kw, flag):
+    from entropic.bench.ablation import AblationOptions
+    with pytest.raises(ValueError, match=flag):
+        AblationOptions(quick=True, **kw).resolved()

@@ -88,38 +88,36 @@ class AblationOptions:
     dtype: str = "bfloat16"
 
     def resolved(self) -> "AblationOptions":
+        """Defaults filled in and every option checked (ValueError naming the option)."""
         o = AblationOptions(**asdict(self))
         o.workload = self.workload or (QUICK if self.quick else FULL)
         if isinstance(o.workload, dict):
             o.workload = WorkloadSpec(**o.workload)
-        o.repeats = self.repeats or (1 if self.quick else 2)
+        o.repeats = self.repeats if self.repeats is not None else (1 if self.quick else 2)
+        checks = [("repeats", o.repeats >= 1, "at least 1"),
+                  ("rate", o.workload.rate > 0, "> 0 requests per second"),
+                  ("threads", o.threads is None or o.threads >= 1, "at least 1"),
+                  ("bootstrap", o.n_boot >= 1, "at least 1 resample"),
+                  ("temperature", o.temperature > 0, "> 0 (it is also the thermostat's T_0)"),
+                  ("target-entropy", o.target_entropy >= 0, ">= 0 nats")]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"--{name} must be {want}")
+        for n in o.configs or ():
+            AblationConfig.parse(n)
         return o
-
-
-class LayerUnavailable(RuntimeError):
-    """A configuration needs a control layer this build does not have."""
 
 
 def build_llm(cfg: AblationConfig, opts: AblationOptions, probe: TemperedEntropyProbe):
     """An LLM with the configuration's engine-side layers (scheduling, pruning)."""
     from entropic import LLM
+    from entropic.control.pruning import PruningConfig
 
-    kw = dict(model=opts.model, dtype=opts.dtype, max_num_seqs=opts.max_num_seqs,
-              num_kv_blocks=opts.num_kv_blocks,
-              max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
-              scheduling="entropic" if cfg.sched else "fcfs")
-    if cfg.prune:
-        try:
-            from entropic.control.pruning import PruningConfig
-        except ImportError as e:
-            raise LayerUnavailable(f"pruning layer not available ({e})") from e
-        kw["pruning"] = PruningConfig()
-    try:
-        return LLM(**kw)
-    except TypeError as e:
-        if cfg.prune and "pruning" in str(e):
-            raise LayerUnavailable(f"LLM does not accept pruning= ({e})") from e
-        raise
+    return LLM(model=opts.model, dtype=opts.dtype, max_num_seqs=opts.max_num_seqs,
+               num_kv_blocks=opts.num_kv_blocks,
+               max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
+               scheduling="entropic" if cfg.sched else "fcfs",
+               pruning=PruningConfig() if cfg.prune else None)
 
 
 def sampling_params(item: WorkItem, cfg: AblationConfig, opts: AblationOptions, seed: int):
@@ -149,7 +147,7 @@ def _record(item: WorkItem, out, h_tempered: list[float]) -> dict:
 def run_ablation(opts: AblationOptions) -> dict:
     """Serve the workload under every configuration; return raw records and run facts.
 
-    Result: {"options", "configs" (names run), "unavailable" {name: reason}, "items" (n),
+    Result: {"options", "configs" (names run), "items" (n),
     "runs": {config: [ {"repeat", "makespan", "engine", "records": [...] } ]},
     "wall_seconds"}.  Record i of every run of every configuration is the same request.
     """
@@ -161,19 +159,13 @@ def run_ablation(opts: AblationOptions) -> dict:
     if cfgs[0] != AblationConfig():
         raise ValueError(f"the first configuration must be the baseline, got {names[0]!r}")
     t_start = time.perf_counter()
-    engines, unavailable = {}, {}
+    engines = {}
     named = [(c.name, c) for c in cfgs]
     if opts.aa_control:
         named.insert(1, (AA_NAME, AblationConfig()))
     for name, cfg in named:
         probe = TemperedEntropyProbe()
-        try:
-            engines[name] = (cfg, build_llm(cfg, opts, probe), probe)
-        except LayerUnavailable as e:
-            unavailable[name] = str(e)
-            print(f"skipping {name}: {e}", file=sys.stderr)
-    if AblationConfig().name not in engines:
-        raise RuntimeError("the baseline could not be built")
+        engines[name] = (cfg, build_llm(cfg, opts, probe), probe)
     tokenizer = next(iter(engines.values()))[1].tokenizer
     items = build_items(tokenizer, opts.workload)
     if not items:
@@ -217,7 +209,7 @@ def run_ablation(opts: AblationOptions) -> dict:
     meta = asdict(opts)
     meta["workload"] = asdict(opts.workload)
     meta["threads"] = torch.get_num_threads()
-    return {"options": meta, "configs": list(engines), "unavailable": unavailable,
+    return {"options": meta, "configs": list(engines),
             "items": len(items), "kinds": {k: sum(i.kind == k for i in items)
                                            for k in ("chat", "xsum", "aclsum", "strategyqa")},
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),

@@ -52,6 +52,7 @@ def cmd_ablation(args) -> int:
                            seed=args.seed, n_boot=args.bootstrap, progress=args.progress,
                            aa_control=args.aa_control,
                            model=args.model)
+    opts.resolved()  # bad options fail here, before any model is loaded
     t0 = time.perf_counter()
     if args.report_only:
         raw = report.load_raw(args.out)

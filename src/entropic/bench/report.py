@@ -72,8 +72,6 @@ def markdown(raw: dict, summary: dict) -> str:
                      "are run-to-run noise (machine load, batch timing), which the per-request "
                      "bootstrap intervals do not include: treat a layer's change as real only "
                      "if it is clearly larger than baseline-again's.")
-    if raw.get("unavailable"):
-        parts.append("Not run: " + "; ".join(f"{k} ({v})" for k, v in raw["unavailable"].items()))
     parts.append("### Values\n\n" + _table(
         ["config"] + [labels[c]["label"] for c in VALUE_COLS],
         [[c] + [_num(summary["values"][c][m]) for m in VALUE_COLS] for c in configs]))
