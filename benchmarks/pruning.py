@@ -275,6 +275,8 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["forced", "summaries", "eviction", "scoring"],
                     choices=["forced", "summaries", "eviction", "scoring"])
     args = ap.parse_args()
+    if args.threads < 1:
+        ap.error("--threads must be at least 1")
     torch.set_num_threads(args.threads)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -292,6 +294,10 @@ def main() -> None:
             ap.error("--configs: the first configuration must be dense (the reference)")
         configs = args.configs
     contexts = args.contexts or contexts
+    limit = llm.engine.max_model_len - cont
+    if any(not 0 < L <= limit for L in contexts):
+        ap.error(f"--contexts must be in 1..{limit} (the context length less {cont} "
+                 f"continuation tokens), got {contexts}")
     forced_rows = sum_rows = ev_rows = sc_rows = []
     tables = []
     if "forced" in args.parts:

@@ -234,6 +234,13 @@ def main() -> int:
     if args.quick:
         args.num_prompts, args.request_rate = 32, 2.0
         args.max_tokens = min(args.max_tokens, 64)
+    for name in ("num_prompts", "max_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.request_rate > 0:
+        ap.error("--request-rate must be > 0 (or inf)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        ap.error("--max-concurrency must be at least 1")
     proc = None
     base = args.base_url
     if base is None:
