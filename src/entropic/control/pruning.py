@@ -106,7 +106,6 @@ class _Sequence:
     surprisal_sum: list[float] = field(default_factory=list)
     surprisal_count: list[int] = field(default_factory=list)
     decodes_since_dense: int = 0
-    last_theta: float | None = None
 
     def grow(self, num_blocks: int) -> None:
         while len(self.mass) < num_blocks:
@@ -168,7 +167,6 @@ class EntropicBlockPruner:
         cfg = self.config
         s = self._seqs.setdefault(req.request_id, _Sequence())
         s.grow(num_blocks)
-        s.last_theta = None
         dense = BlockSelection(None, collect_attention=self.uses_mass)
         if not req.entropies or (self.uses_mass
                                  and s.decodes_since_dense >= cfg.refresh_interval - 1):
@@ -185,8 +183,6 @@ class EntropicBlockPruner:
             s.decodes_since_dense = 0
             return dense
         ranked = sorted(range(len(rest)), key=lambda j: -scores[j])[:max(0, budget - len(keep))]
-        if ranked:
-            s.last_theta = scores[ranked[-1]]
         return BlockSelection(sorted(keep.union(rest[j] for j in ranked)))
 
     def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],

@@ -221,8 +221,8 @@ class LLMEngine:
         """Feed the block policy each chunk's token surprisals and attention mass."""
         for c in sched.chunks:
             req = self.scheduler.requests.get(c.request_id)
-            if req is None and c.request_id not in result.sampled:
-                continue  # aborted
+            if req is None:
+                continue  # finished or aborted: the policy has released it
             positions, surprisal = [], []
             ps = result.prompt_scores.get(c.request_id)
             if ps is not None:
@@ -237,8 +237,7 @@ class LLMEngine:
             if mass is not None:
                 attended = (c.attend_blocks if c.attend_blocks is not None
                             else list(range(len(mass))))
-            if req is not None:
-                self.block_policy.observe(req, positions, surprisal, attended, mass)
+            self.block_policy.observe(req, positions, surprisal, attended, mass)
         self.stats.blocks_evicted = self.scheduler.num_evicted_blocks
 
     def _work(self, c: ScheduledChunk) -> ChunkWork:

@@ -143,6 +143,8 @@ class ModelRunner:
                     ) -> dict[str, list[float]]:
         """Per decode row that asked: the attention mass share of each block it attended
         (summed over layers and heads, then divided by their number)."""
+        if all(g.mass is None for g in meta.decode_groups):
+            return {}
         order = (meta.decode_order.tolist() if meta.decode_order is not None
                  else list(range(len(decodes))))
         cfg = self.model.config

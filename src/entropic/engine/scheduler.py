@@ -202,7 +202,9 @@ class Scheduler:
         """The blocks a decode attends (None: all) and whether to report attention mass."""
         rid = req.request_id
         bp = self.block_policy
-        if bp is None or n != 1 or start < req.num_prompt_tokens:
+        if bp is None:
+            return None, False  # nothing is ever evicted without a block policy
+        if n != 1 or start < req.num_prompt_tokens:
             if n > 1 and self.kv.num_evicted(rid):
                 raise RuntimeError(f"request {rid!r}: a {n}-token chunk over evicted blocks")
             return None, False
