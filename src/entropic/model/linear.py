@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from entropic.model.quant import Int4Blocks, quantize_int4, quantize_int8
+
 
 class Linear:
     """y = x @ weight.T (+ bias) with F.linear: the portable fallback (any device)."""
@@ -96,9 +98,76 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                packed: bool = True) -> Linear:
-    """The fastest available linear for `weight` [out, in]: prepacked where possible."""
+class Int4Linear(Linear):
+    """y = x @ W.T (+ bias) with W in 4-bit groups (`Int4Blocks`), through torch's CPU
+    weight-only int4 kernel: the weight is read as 4-bit codes plus a bf16 scale and zero
+    per group, i.e. ~0.56 bytes per parameter. Activations are bf16; scale and offset are
+    rounded to bf16 (the kernel's format), the codes are exact."""
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = blocks.shape
+        self.out_features, self.in_features = n, k
+        self.bias = bias
+        self.group_size = blocks.group_size
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        # The kernel computes (q - 8) * scale + zero, so zero = offset + 8 * scale.
+        zero = blocks.offset + 8 * blocks.scale
+        self.scales_zeros = torch.stack((blocks.scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
+        self._numel = n * k
+
+    @property
+    def numel(self) -> int:
+        return self._numel + (self.bias.numel() if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size,
+                                                       self.scales_zeros)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Int8Linear(Linear):
+    """y = x @ W.T (+ bias) with W as int8 per output channel (symmetric, one scale per
+    row), through torch's CPU weight-only int8 kernel: 1 byte per parameter."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        q, scale = quantize_int8(weight)
+        self.weight, self.scale = q, scale.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def check_quantization(quantization: str | None, dtype: torch.dtype,
+                       device: torch.device | str) -> None:
+    """Raise ValueError unless this quantization can run with this dtype on this device."""
+    if quantization is None:
+        return
+    if quantization not in ("int8", "int4"):
+        raise ValueError(f"quantization must be None, 'int8' or 'int4', got {quantization!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only (torch's "
+                         f"weight-only {quantization} CPU kernels), not on {device}")
+    if dtype != torch.bfloat16:
+        # The kernels exist for fp32 too, but without vectorization: 10-50x slower than bf16.
+        raise ValueError(f"quantization={quantization!r} needs dtype='bfloat16' "
+                         f"(activations), got {str(dtype).removeprefix('torch.')}")
+
+
+def make_linear(weight: torch.Tensor | Int4Blocks, bias: torch.Tensor | None = None,
+                packed: bool = True, quantization: str | None = None) -> Linear:
+    """The fastest available linear for `weight` [out, in]: weight-only int8 / int4 when
+    `quantization` asks for it (a float weight is quantized, 4-bit blocks are used as they
+    are), else prepacked oneDNN where possible, else F.linear."""
+    if quantization == "int4":
+        blocks = weight if isinstance(weight, Int4Blocks) else quantize_int4(weight)
+        return Int4Linear(blocks, bias)
+    if quantization == "int8":
+        return Int8Linear(weight, bias)
     if packed and can_pack(weight):
         return PackedLinear(weight, bias)
     return Linear(weight, bias)

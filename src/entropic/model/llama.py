@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from entropic.config import ModelConfig
 from entropic.model.attention import AttentionMetadata, KVCache, paged_attention
-from entropic.model.linear import Linear, make_linear
+from entropic.model.linear import Int8Linear, Linear, check_quantization, make_linear
+from entropic.model.quant import Int4Blocks
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +62,8 @@ def _take(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
         t = tensors[name]
     except KeyError:
         raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+    if isinstance(t, Int4Blocks):
+        t = t.dequantize()
     return t.to(device=device, dtype=dtype).contiguous()
 
 
@@ -85,27 +88,35 @@ class LlamaModel:
     """Weights as plain tensors and a functional forward; no nn.Module machinery needed.
 
     `packed_linears` (default) prepacks the projection weights for oneDNN where the device
-    supports it (`entropic.model.linear`); False keeps plain `F.linear` everywhere."""
+    supports it (`entropic.model.linear`); False keeps plain `F.linear` everywhere.
+    `quantization` "int4" runs the projections on 4-bit group weights (a checkpoint's Q4
+    blocks as they are, other weights rounded to Q4_1-style groups) and "int8" on int8
+    channel weights; both keep the lm_head in int8 per channel, and the embedding table,
+    norms and activations in `dtype` (bf16)."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor | Int4Blocks],
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 packed_linears: bool = True) -> None:
+                 packed_linears: bool = True, quantization: str | None = None) -> None:
+        check_quantization(quantization, dtype, device)
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.quantization = quantization
         c = config
         take = functools.partial(_take, tensors, device=self.device, dtype=dtype)
+        self._raw = tensors
         self.embed = take("model.embed_tokens.weight")
         if self.embed.shape != (c.vocab_size, c.hidden_size):
             raise ValueError(f"embed_tokens has shape {tuple(self.embed.shape)}, expected "
                              f"{(c.vocab_size, c.hidden_size)}")
         self.tied = c.tie_word_embeddings
         # A tied lm_head gets its own (packed) copy: the lookup needs the plain table.
-        self.lm_head = make_linear(self.embed if self.tied else take("lm_head.weight"),
-                                   packed=packed_linears)
+        head = self.embed if self.tied else take("lm_head.weight")
+        self.lm_head = (Int8Linear(head) if quantization else make_linear(head, packed=packed_linears))
         self.norm = take("model.norm.weight")
         self.layers = [self._decoder_layer(take, f"model.layers.{i}.", packed_linears)
                        for i in range(c.num_layers)]
+        del self._raw  # the checkpoint's tensors are not kept past construction
         self.rope = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, dtype, self.device)
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
@@ -115,9 +126,12 @@ class LlamaModel:
         """One layer's weights, q/k/v and gate/up fused into single matrices."""
 
         def linear(*names: str, bias: bool = False) -> Linear:
-            weight = torch.cat([take(prefix + n + ".weight") for n in names])
             b = torch.cat([take(prefix + n + ".bias") for n in names]) if bias else None
-            return make_linear(weight, b, packed=packed)
+            raw = [self._raw.get(prefix + n + ".weight") for n in names]
+            if self.quantization == "int4" and all(isinstance(r, Int4Blocks) for r in raw):
+                return make_linear(Int4Blocks.cat(raw), b, quantization="int4")
+            weight = torch.cat([take(prefix + n + ".weight") for n in names])
+            return make_linear(weight, b, packed=packed, quantization=self.quantization)
 
         return DecoderLayer(
             in_norm=take(prefix + "input_layernorm.weight"),

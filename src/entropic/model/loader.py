@@ -116,14 +116,16 @@ def resolve_model_path(path: str | os.PathLike | None) -> tuple[str, str]:
     raise FileNotFoundError(f"model directory {path} has nothing loadable; expected {_EXPECTED}")
 
 
-def load_checkpoint(path: str | os.PathLike | None = None, *, progress: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike | None = None, *, progress: bool = False,
+                    keep_int4: bool = False) -> Checkpoint:
     """Load weights, config and tokenizer from `path` (None: the bundled SmolLM2 GGUF).
 
-    `progress=True` shows a tqdm bar while the weights are read and dequantized.
+    `progress=True` shows a tqdm bar while the weights are read and dequantized;
+    `keep_int4=True` keeps a GGUF's Q4_0 / Q4_1 matrices as 4-bit codes (`Int4Blocks`).
     """
     kind, source = resolve_model_path(path)
     if kind == "gguf":
-        config, tensors = read_gguf_tensors(source, progress=progress)
+        config, tensors = read_gguf_tensors(source, progress=progress, keep_int4=keep_int4)
         check_tensors(config, tensors, source)
         tokenizer = Tokenizer.from_gguf(source, eos_token_ids=config.eos_token_ids)
     else:

@@ -15,6 +15,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the `model` name clients use (default: the checkpoint's file name)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="weight-only quantized projections (CPU, bf16 activations)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: local clients only)")
     p.add_argument("--port", type=int, default=8000)
@@ -52,7 +54,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
