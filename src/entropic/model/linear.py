@@ -101,7 +101,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 class Int4Linear(Linear):
     """y = x @ W.T (+ bias) with W in 4-bit groups (`Int4Blocks`), through torch's CPU
     weight-only int4 kernel: the weight is read as 4-bit codes plus a bf16 scale and zero
-    per group, i.e. ~0.56 bytes per parameter. Activations are bf16; scale and offset are
+    per group of 32, i.e. ~0.63 bytes per parameter. Activations are bf16; scale and offset are
     rounded to bf16 (the kernel's format), the codes are exact."""
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None,
