@@ -77,6 +77,19 @@ def test_int4_linear_computes_its_dequantized_weight(rows):
     assert _rel_err(lin(x), ref) < 1e-2
 
 
+def test_int4_linear_takes_any_output_width():
+    """The kernel packs outputs in sixteens; other widths are padded and sliced back."""
+    torch.manual_seed(3)
+    w = torch.randn(40, 64)
+    b = quantize_int4(w)
+    bias = torch.randn(40).bfloat16()
+    y = Int4Linear(b, bias)(torch.randn(5, 64).bfloat16())
+    assert y.shape == (5, 40)
+    x = torch.randn(5, 64).bfloat16()
+    ref = x.float() @ b.dequantize().T + bias.float()
+    assert _rel_err(Int4Linear(b, bias)(x), ref) < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 64])
 def test_int8_linear_computes_its_dequantized_weight(rows):
     torch.manual_seed(1)

@@ -110,10 +110,17 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = n, k
         self.bias = bias
         self.group_size = blocks.group_size
-        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 1)
+        # The kernel packs rows in sixteens: other counts get zero rows, sliced off the output.
+        pad = -n % 16
+        q, scale, offset = blocks.q, blocks.scale, blocks.offset
+        if pad:
+            q, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (q, scale, offset))
+        self._rows = n if pad else None
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The kernel computes (q - 8) * scale + zero, so zero = offset + 8 * scale.
-        zero = blocks.offset + 8 * blocks.scale
-        self.scales_zeros = torch.stack((blocks.scale, zero), dim=-1).transpose(0, 1).to(dtype).contiguous()
+        zero = offset + 8 * scale
+        self.scales_zeros = (torch.stack((scale, zero), dim=-1).transpose(0, 1)
+                             .to(dtype).contiguous())
         self._numel = n * k
 
     @property
@@ -123,6 +130,8 @@ class Int4Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size,
                                                        self.scales_zeros)
+        if self._rows is not None:
+            y = y[:, :self._rows]
         return y if self.bias is None else y.add_(self.bias)
 
 
