@@ -228,8 +228,10 @@ class _VllmPeer:
         from vllm import LLM, SamplingParams
 
         self._sp = SamplingParams
+        # On the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves; its
+        # default (0.92) fails when the machine's free RAM is below that share.
         self.llm = LLM(model=a.model, dtype="bfloat16", max_num_seqs=64,
-                       max_model_len=a.n_ctx, seed=0)
+                       max_model_len=a.n_ctx, seed=0, gpu_memory_utilization=0.5)
         import vllm
 
         self.version = vllm.__version__
