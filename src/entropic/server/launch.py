@@ -17,6 +17,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     p.add_argument("--quantization", choices=("int8", "int4"), default=None,
                    help="weight-only quantized projections (CPU, bf16 activations)")
+    p.add_argument("--kernels", choices=("native", "torch"), default=None,
+                   help="native: entropic's C++ CPU kernels for the small per-layer ops and "
+                        "decode attention (the CPU default; compiled on first use); torch: "
+                        "plain torch ops")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: local clients only)")
     p.add_argument("--port", type=int, default=8000)
@@ -55,6 +59,7 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              kernels=args.kernels,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,

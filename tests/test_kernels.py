@@ -1,0 +1,174 @@
+"""entropic's native CPU kernels against the torch formulas they replace, and in the engine."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entropic import kernels
+from entropic.model.llama import RotaryEmbedding, rms_norm
+
+kernels.load()
+E = torch.ops.entropic
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", (1, 7, 64))
+def test_rms_norm_matches_the_torch_formula(dtype, rows):
+    g = _gen(rows)
+    # magnitudes from 2^-6 to 2^6 per row: the rounding of the normalised value matters
+    x = (torch.randn(rows, 576, generator=g)
+         * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    got, want = E.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    if dtype == torch.bfloat16:  # rounded to bf16 where the formula rounds: bit-identical
+        assert torch.equal(got, want)
+    else:  # fp32: the sum of squares is added in another order
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+    # a strided view (rows of a wider buffer) is read in place
+    wide = torch.cat((x, x), dim=1)
+    assert torch.equal(E.rms_norm(wide[:, :576], w, 1e-5), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gu = (torch.randn(33, 2 * 1536, generator=_gen(1)) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    got, want = E.silu_mul(gu), F.silu(gate) * up
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # exp may differ from torch's vectorised one by an ulp
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", (1, 5, 40))
+def test_rope_kv_matches_rotation_and_cache_write(dtype, rows):
+    H, KVH, D = 9, 3, 64
+    g = _gen(rows)
+    rope = RotaryEmbedding(D, 8192, 1e5, dtype, "cpu")
+    qkv = torch.randn(rows, (H + 2 * KVH) * D, generator=g).to(dtype)
+    positions = torch.randint(0, 8192, (rows,), generator=g)
+    slots = torch.randperm(100, generator=g)[:rows]
+    cos, sin = rope.tables(positions)
+    want = qkv.clone()
+    RotaryEmbedding.apply_(want[:, :(H + KVH) * D].view(rows, H + KVH, D), cos, sin)
+    want_cache = torch.zeros(100, 2, KVH, D, dtype=dtype)
+    want_cache.index_copy_(0, slots, want[:, H * D:].view(rows, 2, KVH, D))
+    got, cache = qkv.clone(), torch.zeros_like(want_cache)
+    E.rope_kv_(got, cos, sin, cache, slots, H, KVH)
+    assert torch.equal(got, want)  # the same roundings in the same order: bit-identical
+    assert torch.equal(cache, want_cache)
+
+
+def _reference_attention(q, cache, slots, lengths, scale):
+    """Masked softmax attention in fp64 over the gathered context: out [n, H*D], mass [n, ctx]."""
+    n, H, D = q.shape
+    kvh = cache.shape[2]
+    ctx = cache[slots].double()  # [n, ctx, 2, KVH, D]
+    k = ctx[:, :, 0].transpose(1, 2).repeat_interleave(H // kvh, 1)
+    v = ctx[:, :, 1].transpose(1, 2).repeat_interleave(H // kvh, 1)
+    scores = (q.double()[:, :, None] @ k.transpose(-1, -2)) * scale  # [n, H, 1, ctx]
+    valid = (torch.arange(slots.shape[1]) < lengths[:, None])[:, None, None, :]
+    p = scores.masked_fill(~valid, -math.inf).softmax(-1)
+    return (p @ v).reshape(n, H * D), p.sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 40))  # 40: not a multiple of 16 (the generic path)
+def test_paged_decode_attention_matches_softmax_attention(dtype, head_dim):
+    g = _gen(head_dim)
+    n, H, KVH, ctx, S = 6, 9, 3, 150, 1000
+    cache = torch.randn(S, 2, KVH, head_dim, generator=g).to(dtype)
+    q = torch.randn(n, H, head_dim, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(S, generator=g)[:ctx] for _ in range(n)])
+    lengths = torch.tensor([ctx, 1, 17, 100, 149, 64])
+    mass = torch.zeros(n, ctx)
+    out = E.paged_decode_attention(q, cache, slots, lengths, 0.125, mass)
+    want, want_mass = _reference_attention(q, cache, slots, lengths, 0.125)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+    assert mass[:, lengths.min():].sum() > 0 and torch.all(mass[1, 1:] == 0)
+    # no lengths: every row attends its whole ctx; padding slots past a length are never read
+    full = E.paged_decode_attention(q, cache, slots, None, 0.125, None)
+    torch.testing.assert_close(full.double(), _reference_attention(
+        q, cache, slots, torch.full((n,), ctx), 0.125)[0], **tol)
+    bad = slots.clone()
+    bad[1, 1:] = 10 ** 9  # beyond row 1's length: must be ignored
+    assert torch.equal(E.paged_decode_attention(q, cache, bad, lengths, 0.125, None)[1], out[1])
+
+
+def test_paged_decode_attention_rows_do_not_depend_on_each_other():
+    g = _gen(3)
+    cache = torch.randn(500, 2, 3, 64, generator=g).bfloat16()
+    q = torch.randn(8, 9, 64, generator=g).bfloat16()
+    slots = torch.randint(0, 500, (8, 90), generator=g)
+    lengths = torch.randint(1, 91, (8,), generator=g)
+    batch = E.paged_decode_attention(q, cache, slots, lengths, 0.125, None)
+    for r in range(8):
+        alone = E.paged_decode_attention(q[r:r + 1], cache, slots[r:r + 1, :lengths[r]], None,
+                                         0.125, None)
+        assert torch.equal(alone[0], batch[r])
+
+
+def test_kernels_reject_bad_input_with_clear_errors():
+    cache = torch.zeros(10, 2, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)
+    slots = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot 10 out of range"):
+        E.paged_decode_attention(q, cache, torch.full((2, 4), 10), None, 0.1, None)
+    with pytest.raises(RuntimeError, match="length 5 of row 0 out of range"):
+        E.paged_decode_attention(q, cache, slots, torch.tensor([5, 1]), 0.1, None)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):
+        E.paged_decode_attention(q, cache.float(), slots, None, 0.1, None)
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+        E.rms_norm(torch.zeros(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.float16), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        E.rms_norm(torch.zeros(2, 4), torch.ones(5), 1e-5)
+    qkv = torch.zeros(1, 15 * 64, dtype=torch.bfloat16)
+    tab = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot -1 out of range"):
+        E.rope_kv_(qkv, tab, tab, cache, torch.tensor([-1]), 9, 3)
+
+
+def test_kernel_choice_is_validated():
+    from entropic import LLM
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        LLM(kernels="fast")
+    with pytest.raises(ValueError, match="kernels='native' are CPU kernels"):
+        kernels.check_kernels("native", "cuda")
+    assert kernels.default_kernels("cpu") == "native"
+    assert kernels.default_kernels("cuda") == "torch"
+
+
+def test_build_folder_is_keyed_by_cpu_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("ENTROPIC_KERNELS_DIR", str(tmp_path))
+    a = kernels.build_dir()
+    assert a.parent == tmp_path
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : another cpu")
+    assert kernels.build_dir() != a
+
+
+@pytest.mark.model
+def test_native_and_torch_kernels_agree_on_the_real_model(llm_fp32, chat_prompts):
+    """The same fp32 model with kernels="torch": logits of mixed prefill/decode steps agree
+    to fp32 rounding, and greedy continuations are the same."""
+    from entropic import LLM, SamplingParams
+
+    ref = LLM(dtype="float32", kernels="torch", max_num_batched_tokens=512, kv_cache_gib=0.25)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = chat_prompts[:6]
+    ours, theirs = llm_fp32.generate(prompts, params), ref.generate(prompts, params)
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        lp = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)]
+        ent = [abs(x - y) for x, y in zip(a.entropies, b.entropies)]
+        assert max(lp) < 1e-3 and max(ent) < 1e-3
