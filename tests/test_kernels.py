@@ -172,3 +172,58 @@ def test_native_and_torch_kernels_agree_on_the_real_model(llm_fp32, chat_prompts
         lp = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)]
         ent = [abs(x - y) for x, y in zip(a.entropies, b.entropies)]
         assert max(lp) < 1e-3 and max(ent) < 1e-3
+
+
+needs_bf16 = pytest.mark.skipif(
+    not torch.ops.entropic.int4_linear_supported(),
+    reason="entropic's int4/int8 kernels need a CPU with avx512_bf16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(960, 576), (66, 608), (3, 1536)])  # N % 4, odd groups
+def test_native_int4_linear_matches_dequantized_weights_and_is_batch_invariant(shape):
+    from entropic.model.linear import NativeInt4Linear
+    from entropic.model.quant import quantize_int4
+    n, k = shape
+    g = _gen(n)
+    blocks = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
+    lin = NativeInt4Linear(blocks, bias=torch.randn(n, generator=g).bfloat16())
+    x = torch.randn(9, k, generator=g).bfloat16()
+    y = lin(x)
+    want = x.double() @ blocks.dequantize().double().T + lin.bias.double()
+    # exact products, fp32 sums: the bf16 roundings of the product and of the bias add remain
+    assert (y.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    for r in range(9):  # a row alone gives the same bits as inside any batch
+        assert torch.equal(lin(x[r:r + 1])[0], y[r])
+    assert torch.equal(lin(x[2:7]), y[2:7])
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(1000, 576), (66, 608)])
+def test_native_int8_linear_matches_dequantized_weights_and_is_batch_invariant(shape):
+    from entropic.model.linear import NativeInt8Linear
+    from entropic.model.quant import quantize_int8
+    n, k = shape
+    g = _gen(k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    lin = NativeInt8Linear(w)
+    q, scale = quantize_int8(w)
+    x = (torch.randn(6, k, generator=g) * 3).bfloat16()
+    y = lin(x)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T
+    assert (y.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
+    for r in range(6):
+        assert torch.equal(lin(x[r:r + 1])[0], y[r])
+
+
+@needs_bf16
+def test_native_quantized_kernels_reject_bad_shapes():
+    codes = torch.zeros(4, 9, 4, 32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        E.int4_linear(torch.zeros(1, 100, dtype=torch.bfloat16), codes,
+                      torch.zeros(16, 18), torch.zeros(16, 18))
+    with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
+        E.int4_linear(torch.zeros(1, 576, dtype=torch.bfloat16), codes[:2],
+                      torch.zeros(4, 18, 4), torch.zeros(16, 18))
+    with pytest.raises(RuntimeError, match="x must be a bfloat16"):
+        E.int8_linear(torch.zeros(1, 576), codes, torch.zeros(16))

@@ -135,6 +135,68 @@ class Int4Linear(Linear):
         return y if self.bias is None else y.add_(self.bias)
 
 
+class NativeInt4Linear(Linear):
+    """y = x @ W.T (+ bias) with W in 4-bit groups of 32, through entropic's own kernel
+    (`entropic.int4_linear`, CPUs with avx512_bf16): the codes are exact bf16 numbers, so a
+    group is one bf16 dot product with exact products and fp32 sums; scale and offset stay
+    fp32 (a GGUF's fp16 values exactly). Each output is summed in a fixed order, so a row's
+    result does not depend on the other rows of the call."""
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
+        n, k = blocks.shape
+        if k % 32:
+            raise ValueError(f"the native int4 kernel needs in_features ({k}) to be a "
+                             f"multiple of 32")
+        self.out_features, self.in_features = n, k
+        self.bias = bias
+        # the kernel reads each code as the bf16 number 128 + q: take 128 * scale off here
+        self.offset128 = (blocks.offset.float() - 128 * blocks.scale.float()).contiguous()
+        # codes and scales in tiles of 4 output columns (zero columns pad the last tile),
+        # each tile's data contiguous: [tiles, pairs, 4, 32] bytes and [tiles, groups, 4]
+        pad = -n % 4
+        codes = F.pad(blocks.pack_group_pairs(), (0, 0, 0, pad))
+        self.weight = codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2).contiguous()
+        scale = F.pad(blocks.scale.float(), (0, 0, 0, pad))
+        self.scale = scale.view(-1, 4, scale.shape[1]).transpose(1, 2).contiguous()
+        self._numel = n * k
+
+    @property
+    def numel(self) -> int:
+        return self._numel + (self.bias.numel() if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.entropic.int4_linear(x, self.weight, self.scale, self.offset128)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class NativeInt8Linear(Linear):
+    """y = x @ W.T (+ bias) with W as int8 per output channel (`quantize_int8`), through
+    entropic's kernel (`entropic.int8_linear`, CPUs with avx512_bf16): each byte is split
+    into two nibbles that are exact bf16 numbers, so the products are exact and summed in
+    fp32 in a fixed order (a row's result does not depend on the other rows of the call)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = n, k = weight.shape
+        if k % 32:
+            raise ValueError(f"the native int8 kernel needs in_features ({k}) to be a "
+                             f"multiple of 32")
+        self.bias = bias
+        q, scale = quantize_int8(weight)
+        codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, -n % 4))
+        # tiles of 4 output columns, each tile's 32-byte runs contiguous: [tiles, k/32, 4, 32]
+        self.weight = codes.view(-1, 4, k // 32, 32).transpose(1, 2).contiguous()
+        self.scale = scale.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.entropic.int8_linear(x, self.weight, self.scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def native_int4_available() -> bool:
+    """Whether entropic's int4 kernel runs here (built for a CPU with avx512_bf16)."""
+    return bool(torch.ops.entropic.int4_linear_supported())
+
+
 class Int8Linear(Linear):
     """y = x @ W.T (+ bias) with W as int8 per output channel (symmetric, one scale per
     row), through torch's CPU weight-only int8 kernel: 1 byte per parameter."""
@@ -168,15 +230,17 @@ def check_quantization(quantization: str | None, dtype: torch.dtype,
 
 
 def make_linear(weight: torch.Tensor | Int4Blocks, bias: torch.Tensor | None = None,
-                packed: bool = True, quantization: str | None = None) -> Linear:
+                packed: bool = True, quantization: str | None = None,
+                native_int4: bool = False) -> Linear:
     """The fastest available linear for `weight` [out, in]: weight-only int8 / int4 when
     `quantization` asks for it (a float weight is quantized, 4-bit blocks are used as they
-    are), else prepacked oneDNN where possible, else F.linear."""
+    are; `native_int4` picks entropic's int4 / int8 kernels over torch's), else prepacked oneDNN
+    where possible, else F.linear."""
     if quantization == "int4":
         blocks = weight if isinstance(weight, Int4Blocks) else quantize_int4(weight)
-        return Int4Linear(blocks, bias)
+        return NativeInt4Linear(blocks, bias) if native_int4 else Int4Linear(blocks, bias)
     if quantization == "int8":
-        return Int8Linear(weight, bias)
+        return NativeInt8Linear(weight, bias) if native_int4 else Int8Linear(weight, bias)
     if packed and can_pack(weight):
         return PackedLinear(weight, bias)
     return Linear(weight, bias)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from entropic import kernels as native
 from entropic.config import ModelConfig
 from entropic.model.attention import AttentionMetadata, KVCache, paged_attention
-from entropic.model.linear import Int8Linear, Linear, check_quantization, make_linear
+from entropic.model.linear import (Int8Linear, Linear, NativeInt8Linear, check_quantization,
+                                   make_linear, native_int4_available)
 from entropic.model.quant import Int4Blocks
 
 
@@ -111,6 +112,11 @@ class LlamaModel:
                                  f"{str(dtype).removeprefix('torch.')}; use kernels='torch'")
             native.load()
         self.kernels = kernels
+        # weight-only int4/int8: entropic's kernels where they run (avx512_bf16), else torch's
+        self.quant_kernel = None
+        if quantization is not None:
+            self.quant_kernel = ("entropic" if kernels == "native" and native_int4_available()
+                                 else "torch")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -125,7 +131,11 @@ class LlamaModel:
         self.tied = c.tie_word_embeddings
         # A tied lm_head gets its own (packed) copy: the lookup needs the plain table.
         head = self.embed if self.tied else take("lm_head.weight")
-        self.lm_head = (Int8Linear(head) if quantization else make_linear(head, packed=packed_linears))
+        if quantization:
+            self.lm_head = (NativeInt8Linear(head) if self.quant_kernel == "entropic"
+                            else Int8Linear(head))
+        else:
+            self.lm_head = make_linear(head, packed=packed_linears)
         self.norm = take("model.norm.weight")
         self.layers = [self._decoder_layer(take, f"model.layers.{i}.", packed_linears)
                        for i in range(c.num_layers)]
@@ -141,10 +151,13 @@ class LlamaModel:
         def linear(*names: str, bias: bool = False) -> Linear:
             b = torch.cat([take(prefix + n + ".bias") for n in names]) if bias else None
             raw = [self._raw.get(prefix + n + ".weight") for n in names]
+            native_int4 = self.quant_kernel == "entropic"
             if self.quantization == "int4" and all(isinstance(r, Int4Blocks) for r in raw):
-                return make_linear(Int4Blocks.cat(raw), b, quantization="int4")
+                return make_linear(Int4Blocks.cat(raw), b, quantization="int4",
+                                   native_int4=native_int4)
             weight = torch.cat([take(prefix + n + ".weight") for n in names])
-            return make_linear(weight, b, packed=packed, quantization=self.quantization)
+            return make_linear(weight, b, packed=packed, quantization=self.quantization,
+                               native_int4=native_int4)
 
         return DecoderLayer(
             in_norm=take(prefix + "input_layernorm.weight"),

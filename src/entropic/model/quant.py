@@ -42,6 +42,19 @@ class Int4Blocks:
         """The same weight with its output rows reordered by `fn` (a function on [N, ...])."""
         return Int4Blocks(fn(self.q), fn(self.scale), fn(self.offset), self.group_size)
 
+    def pack_group_pairs(self) -> torch.Tensor:
+        """The codes two groups per 32 bytes, the layout of `entropic.int4_linear`: byte j
+        of a pair holds element j of the even group (low nibble) and of the odd group (high
+        nibble); an odd last group is paired with zeros. uint8 [N, 32 * ceil(groups / 2)]."""
+        if self.group_size != 32:
+            raise ValueError(f"the native int4 kernel needs groups of 32, got {self.group_size}")
+        n, k = self.q.shape
+        g = self.q.view(n, k // 32, 32)
+        if g.shape[1] % 2:
+            g = torch.cat((g, torch.zeros(n, 1, 32, dtype=g.dtype)), dim=1)
+        g = g.view(n, -1, 2, 32)
+        return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, -1).contiguous()
+
     @staticmethod
     def cat(parts: list[Int4Blocks]) -> Int4Blocks:
         """Stack weights along the output dimension (fused QKV, gate/up)."""
