@@ -242,9 +242,13 @@ class _VllmPeer:
 
         self._sp = SamplingParams
         # On the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves; its
-        # default (0.92) fails when the machine's free RAM is below that share.
+        # default (0.92) fails when the machine's free RAM is below that share. Prefix
+        # caching is off: every repeat sends the same prompts, and with it on vLLM would
+        # serve them from its cache (a 2k prefill measured 0.26 s) instead of computing them,
+        # as no other peer here does.
         self.llm = LLM(model=a.model, dtype="bfloat16", max_num_seqs=64,
-                       max_model_len=a.n_ctx, seed=0, gpu_memory_utilization=0.5)
+                       max_model_len=a.n_ctx, seed=0, gpu_memory_utilization=0.5,
+                       enable_prefix_caching=False)
         import vllm
 
         self.version = vllm.__version__

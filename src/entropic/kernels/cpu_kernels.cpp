@@ -199,38 +199,6 @@ void rope_kv_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin_signe
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU: silu(gate) * up
-
-template <typename T>
-void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t n, int64_t stride) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * stride;
-      const T* u = g + n;
-      T* yr = y + r * n;
-      for (int64_t i = 0; i < n; ++i) {
-        float x = load(g + i);
-        float act = round_to(x / (1.f + std::exp(-x)), yr);
-        store(yr + i, round_to(act * load(u + i), yr));
-      }
-    }
-  });
-}
-
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_cpu_float(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
-              "silu_mul: gate_up must be [rows, 2 * n] with unit stride");
-  const int64_t n = gate_up.size(1) / 2;
-  auto y = at::empty({gate_up.size(0), n}, gate_up.options());
-  dispatch(gate_up, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    silu_mul_rows<T>(ptr<T>(gate_up), ptr<T>(y), gate_up.size(0), n, gate_up.stride(0));
-  });
-  return y;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Paged decode attention
 
 // Dot product of an fp32 query with one stored key (16 independent lanes: vectorizes).
@@ -397,6 +365,49 @@ void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* sl
 #endif
   attend_generic<T>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, d, rep, scale, out,
                     mass, qf, sc, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: silu(gate) * up
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t n, int64_t stride) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * stride;
+      const T* u = g + n;
+      T* yr = y + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= n; i += 16) {
+        alignas(64) float act[16], up[16];
+        const __m512 x = load16(g + i);
+        _mm512_store_ps(act, _mm512_div_ps(
+            x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        _mm512_store_ps(up, load16(u + i));
+        for (int l = 0; l < 16; ++l) store(yr + i + l, round_to(round_to(act[l], yr) * up[l], yr));
+      }
+#endif
+      for (; i < n; ++i) {
+        float x = load(g + i);
+        float act = round_to(x / (1.f + std::exp(-x)), yr);
+        store(yr + i, round_to(act * load(u + i), yr));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be [rows, 2 * n] with unit stride");
+  const int64_t n = gate_up.size(1) / 2;
+  auto y = at::empty({gate_up.size(0), n}, gate_up.options());
+  dispatch(gate_up, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_mul_rows<T>(ptr<T>(gate_up), ptr<T>(y), gate_up.size(0), n, gate_up.stride(0));
+  });
+  return y;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
