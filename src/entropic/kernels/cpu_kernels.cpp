@@ -63,6 +63,30 @@ inline void store(bf16_bits* p, float f) {  // f must already be rounded (round_
   *p = bf16_bits(u >> 16);
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_bits* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// 16 lanes rounded as round_to rounds one value
+inline __m512 round16(__m512 f, const float*) { return f; }
+inline __m512 round16(__m512 f, const bf16_bits*) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(r);
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16_bits* p, __m512 v) {  // v must already be rounded (round16)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#endif
+
 template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
@@ -109,7 +133,15 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int64_
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / float(n) + eps);
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; j + 16 <= n; j += 16) {
+        const __m512 normed = round16(_mm512_mul_ps(load16(xr + j), vinv), yr);
+        store16(yr + j, round16(_mm512_mul_ps(load16(w + j), normed), yr));
+      }
+#endif
+      for (; j < n; ++j) {
         float normed = round_to(load(xr + j) * inv, yr);
         store(yr + j, round_to(load(w + j) * normed, yr));
       }
@@ -149,6 +181,19 @@ void rope_kv_rows(T* qkv, const T* cos, const T* sin, T* cache, const int64_t* s
       // the same roundings as the torch formula (RotaryEmbedding.apply_).
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* x = row + h * d;
+#if defined(__AVX512F__)
+        if (d % 32 == 0 && d <= 256) {  // half a head is whole vectors: roll = swap them
+          __m512 xv[16];
+          const int64_t nv = d / 16;
+          for (int64_t v = 0; v < nv; ++v) xv[v] = load16(x + 16 * v);
+          for (int64_t v = 0; v < nv; ++v) {
+            const __m512 a = round16(_mm512_mul_ps(xv[v], load16(c + 16 * v)), x);
+            const __m512 b = round16(_mm512_mul_ps(xv[(v + nv / 2) % nv], load16(s + 16 * v)), x);
+            store16(x + 16 * v, round16(_mm512_add_ps(a, b), x));
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < d; ++i) tmp[i] = load(x + i);
         for (int64_t i = 0; i < d; ++i) {
           float a = round_to(tmp[i] * load(c + i), x);
@@ -264,11 +309,6 @@ void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_bits* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // exp on 16 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp).
 inline __m512 exp16(__m512 x) {
