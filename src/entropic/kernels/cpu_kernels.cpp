@@ -260,6 +260,22 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return s;
 }
 
+// Normalize each head's output by its softmax sum, store it rounded, and add the head's
+// attention probabilities to the row's mass (if asked).
+template <typename T>
+void finish_heads(const float* acc, const float* sc, const float* sum, int64_t len, int64_t d,
+                  int64_t rep, T* out, float* mass) {
+  for (int64_t h = 0; h < rep; ++h) {
+    const float inv = 1.f / sum[h];
+    T* o = out + h * d;
+    for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[h * d + i] * inv, o));
+    if (mass != nullptr) {
+      const float* s = sc + h * len;
+      for (int64_t j = 0; j < len; ++j) mass[j] += s[j] * inv;
+    }
+  }
+}
+
 // One row, one KV head and the `rep` query heads that share it. Scores and softmax in fp32.
 template <typename T>
 void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
@@ -281,7 +297,8 @@ void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int
       mx[h] = std::max(mx[h], s);
     }
   }
-  std::vector<float> sum(rep, 0.f);
+  std::vector<float> sum_v(rep, 0.f);
+  float* sum = sum_v.data();
   for (int64_t h = 0; h < rep; ++h) {
     float* s = sc.data() + h * len;
     for (int64_t j = 0; j < len; ++j) {
@@ -297,15 +314,7 @@ void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int
       for (int64_t i = 0; i < d; ++i) a[i] += p * load(v + i);
     }
   }
-  for (int64_t h = 0; h < rep; ++h) {
-    const float inv = 1.f / sum[h];
-    T* o = out + h * d;
-    for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[h * d + i] * inv, o));
-    if (mass != nullptr) {
-      const float* s = sc.data() + h * len;
-      for (int64_t j = 0; j < len; ++j) mass[j] += s[j] * inv;
-    }
-  }
+  finish_heads<T>(acc.data(), sc.data(), sum, len, d, rep, out, mass);
 }
 
 #if defined(__AVX512F__)
@@ -380,15 +389,7 @@ void attend_avx512(const T* q, int64_t q_head_stride, const T* cache, const int6
         _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(p, kv[i], _mm512_loadu_ps(a + 16 * i)));
     }
   }
-  for (int64_t h = 0; h < rep; ++h) {
-    const float inv = 1.f / sum[h];
-    T* o = out + h * d;
-    for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[h * d + i] * inv, o));
-    if (mass != nullptr) {
-      const float* s = sc.data() + h * len;
-      for (int64_t j = 0; j < len; ++j) mass[j] += s[j] * inv;
-    }
-  }
+  finish_heads<T>(acc.data(), sc.data(), sum, len, d, rep, out, mass);
 }
 #endif
 
