@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -539,6 +540,28 @@ constexpr int64_t kPrefetchBytes = 1024;
 
 #if defined(__AVX512BF16__)
 
+// Runs `tile(rows, m0, n0)` over every tile of kRowTile rows x kColTile columns, `rows` as a
+// compile-time constant (std::integral_constant), threads splitting blocks of columns. The
+// tiling decides only who computes an output, never the order of its sum.
+template <typename Tile>
+void over_tiles(int64_t m_rows, int64_t n_cols, Tile&& tile) {
+  const int64_t col_block = m_rows > kRowTile ? 64 : 16;
+  at::parallel_for(0, (n_cols + col_block - 1) / col_block, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n_end = std::min(n_cols, b1 * col_block);
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowTile) {
+      const int64_t mt = std::min(kRowTile, m_rows - m0);
+      for (int64_t n0 = b0 * col_block; n0 < n_end; n0 += kColTile) {
+        switch (mt) {
+          case 4: tile(std::integral_constant<int, 4>{}, m0, n0); break;
+          case 3: tile(std::integral_constant<int, 3>{}, m0, n0); break;
+          case 2: tile(std::integral_constant<int, 2>{}, m0, n0); break;
+          default: tile(std::integral_constant<int, 1>{}, m0, n0); break;
+        }
+      }
+    }
+  });
+}
+
 struct Int4Args {
   const bf16_bits* x;
   int64_t x_stride;
@@ -617,22 +640,8 @@ void int4_rows(const bf16_bits* x, int64_t x_stride, const uint8_t* codes, const
           load16(x + m * x_stride + g * 32), load16(x + m * x_stride + g * 32 + 16)));
   const Int4Args a{x, x_stride, codes, (groups + 1) / 2 * 32, scale, offset, xsum.data(), y,
                    n_cols, groups};
-  // Work is split by blocks of output columns; a tile of kColTile columns x kRowTile rows
-  // shares each unpacked group and each loaded activation group.
-  const int64_t col_block = m_rows > kRowTile ? 64 : 16;
-  at::parallel_for(0, (n_cols + col_block - 1) / col_block, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n_end = std::min(n_cols, b1 * col_block);
-    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowTile) {
-      const int64_t mt = std::min(kRowTile, m_rows - m0);
-      for (int64_t n0 = b0 * col_block; n0 < n_end; n0 += kColTile) {
-        switch (mt) {
-          case 4: int4_tile<4>(a, m0, n0); break;
-          case 3: int4_tile<3>(a, m0, n0); break;
-          case 2: int4_tile<2>(a, m0, n0); break;
-          default: int4_tile<1>(a, m0, n0); break;
-        }
-      }
-    }
+  over_tiles(m_rows, n_cols, [&](auto mt, int64_t m0, int64_t n0) {
+    int4_tile<decltype(mt)::value>(a, m0, n0);
   });
 }
 // Weight-only int8 linear, one scale per output column: w = scale * (c - 128), c = q + 128 in
@@ -696,20 +705,9 @@ void int8_rows(const bf16_bits* x, int64_t x_stride, const uint8_t* codes, const
     }
     xsum[m] = _mm512_reduce_add_ps(total);
   }
-  const int64_t col_block = m_rows > kRowTile ? 64 : 16;
-  at::parallel_for(0, (n_cols + col_block - 1) / col_block, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t n_end = std::min(n_cols, b1 * col_block);
-    for (int64_t m0 = 0; m0 < m_rows; m0 += kRowTile) {
-      const int64_t mt = std::min(kRowTile, m_rows - m0);
-      for (int64_t n0 = b0 * col_block; n0 < n_end; n0 += kColTile) {
-        switch (mt) {
-          case 4: int8_tile<4>(xc.data(), x16.data(), k, codes, scale, xsum.data(), y, m0, n0, n_cols); break;
-          case 3: int8_tile<3>(xc.data(), x16.data(), k, codes, scale, xsum.data(), y, m0, n0, n_cols); break;
-          case 2: int8_tile<2>(xc.data(), x16.data(), k, codes, scale, xsum.data(), y, m0, n0, n_cols); break;
-          default: int8_tile<1>(xc.data(), x16.data(), k, codes, scale, xsum.data(), y, m0, n0, n_cols); break;
-        }
-      }
-    }
+  over_tiles(m_rows, n_cols, [&](auto mt, int64_t m0, int64_t n0) {
+    int8_tile<decltype(mt)::value>(xc.data(), x16.data(), k, codes, scale, xsum.data(), y, m0,
+                                   n0, n_cols);
   });
 }
 #endif
