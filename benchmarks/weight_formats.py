@@ -15,7 +15,8 @@ For each ShareGPT first turn (chat template, <= --max-prompt-tokens tokens):
    all prompts): the share of sequences identical to fp32's, and the mean length of the
    prefix shared with fp32's before the first different token.
 Formats: `LLM(dtype="bfloat16")` (the default), `LLM(quantization="int8")`,
-`LLM(quantization="int4")` (the GGUF's Q4_1 codes as they are). Writes results/weight_formats.json.
+`LLM(quantization="int4")` (the GGUF's Q4_1 codes as they are); on request (--formats)
+bf16-torchops and int4-torchops, the same with `kernels="torch"`. Writes results/weight_formats.json.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
            "int8": {"dtype": "bfloat16", "quantization": "int8"},
-           "int4": {"dtype": "bfloat16", "quantization": "int4"}}
+           "int4": {"dtype": "bfloat16", "quantization": "int4"},
+           # the same formats on plain torch ops instead of entropic's native kernels
+           "bf16-torchops": {"dtype": "bfloat16", "kernels": "torch"},
+           "int4-torchops": {"dtype": "bfloat16", "quantization": "int4", "kernels": "torch"}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=None, help="default 32 (6 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (24 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--formats", default="bf16,int8,int4", help="compared against fp32; subset of bf16,int8,int4")
+    ap.add_argument("--formats", default="bf16,int8,int4",
+                    help="compared against fp32; subset of "
+                    + ",".join(f for f in FORMATS if f != "fp32"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "weight_formats.json")
@@ -48,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     bad = [f for f in a.formats if f not in FORMATS or f == "fp32"]
     if bad:
-        ap.error(f"--formats: unknown {bad}; choose from bf16, int8, int4")
+        ap.error(f"--formats: unknown {bad}; choose from "
+                 f"{', '.join(f for f in FORMATS if f != 'fp32')}")
     for name in ("prompts", "max_tokens", "max_prompt_tokens", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

@@ -227,3 +227,106 @@ def test_native_quantized_kernels_reject_bad_shapes():
                       torch.zeros(4, 18, 4), torch.zeros(16, 18))
     with pytest.raises(RuntimeError, match="x must be a bfloat16"):
         E.int8_linear(torch.zeros(1, 576), codes, torch.zeros(16))
+
+
+def _reference_prefill(q, cache, slots, start, scale):
+    """fp64 causal softmax attention of q [T, H, D] at positions start.. over slots' keys."""
+    T, H, D = q.shape
+    ctx = cache[slots].double()  # [nk, 2, KVH, D]
+    rep = H // cache.shape[2]
+    k = ctx[:, 0].repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, nk, D]
+    v = ctx[:, 1].repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, T, nk]
+    causal = torch.arange(len(slots))[None, :] <= (start + torch.arange(T))[:, None]
+    p = scores.masked_fill(~causal, -math.inf).softmax(-1)
+    return (p @ v).transpose(0, 1).reshape(T, H * D)
+
+
+needs_bf16_attention = pytest.mark.skipif(
+    not torch.ops.entropic.prefill_attention_supported(),
+    reason="entropic's prefill attention needs a CPU with avx512_bf16")
+
+
+@needs_bf16_attention
+@pytest.mark.parametrize("T,start,H,KVH,D", [(1, 0, 9, 3, 64), (100, 0, 9, 3, 64),
+                                              (77, 150, 9, 3, 64), (130, 3, 8, 2, 128)])
+def test_prefill_attention_matches_causal_softmax_attention(T, start, H, KVH, D):
+    g = _gen(T + start)
+    cache = torch.randn(1000, 2, KVH, D, generator=g).bfloat16()
+    slots = torch.randperm(1000, generator=g)[:start + T]
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).bfloat16()  # q is a strided view
+    q = qkv[:, :H * D].view(T, H, D)
+    out = E.prefill_attention(q, cache, slots, start, 1 / math.sqrt(D))
+    want = _reference_prefill(q, cache, slots, start, 1 / math.sqrt(D))
+    # bf16 probabilities in P.V and the bf16 output rounding: ~2^-8 relative
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+@needs_bf16_attention
+def test_prefill_attention_does_not_depend_on_chunking():
+    """Key blocks are aligned to position 0: a prompt's last rows give the same bits when
+    prefilled alone after a cached prefix (chunked prefill) as inside the whole prompt."""
+    g = _gen(11)
+    cache = torch.randn(400, 2, 3, 64, generator=g).bfloat16()
+    slots = torch.randperm(400, generator=g)[:200]
+    q = torch.randn(200, 9, 64, generator=g).bfloat16()
+    whole = E.prefill_attention(q, cache, slots, 0, 0.125)
+    for cut in (1, 64, 137, 199):
+        assert torch.equal(E.prefill_attention(q[cut:], cache, slots, cut, 0.125), whole[cut:])
+
+
+@needs_bf16_attention
+def test_prefill_attention_rejects_bad_input():
+    cache = torch.zeros(10, 2, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 10 out of range"):
+        E.prefill_attention(q, cache, torch.tensor([0, 1, 2, 10]), 0, 0.1)
+    with pytest.raises(RuntimeError, match=r"slots must be a contiguous int64 \[start \+ q_len\]"):
+        E.prefill_attention(q, cache, torch.arange(4), 2, 0.1)
+    with pytest.raises(RuntimeError, match="q must be a bfloat16"):
+        E.prefill_attention(q.float(), cache, torch.arange(4), 0, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        E.prefill_attention(torch.zeros(4, 9, 32, dtype=torch.bfloat16),
+                            torch.zeros(10, 2, 3, 32, dtype=torch.bfloat16), torch.arange(4), 0,
+                            0.1)
+
+
+def test_logit_stats_match_torch():
+    from entropic.sampling.sampler import entropy_from_logits
+    g = _gen(5)
+    x = torch.randn(7, 49152 + 5, generator=g) * 4  # a tail after the 16-wide vectors
+    x[1, 100:40000] = -math.inf  # masked tokens add nothing to the entropy
+    x[2, 20] = x[2, 30000] = x[2].max() + 1  # a tie: the first index, as torch.argmax
+    x[3, -1] = x[3].max() + 1  # the max in the tail
+    mx, lse, ent, arg = E.logit_stats(x)
+    assert torch.equal(arg, x.argmax(-1)) and arg[2] == 20
+    assert torch.equal(mx, x.amax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ent, entropy_from_logits(x), rtol=1e-5, atol=1e-5)
+    x[4, 9] = math.nan
+    x[5] = -math.inf
+    mx, lse, ent, arg = E.logit_stats(x)
+    assert math.isnan(mx[4]) and mx[5] == -math.inf  # callers check the max
+    with pytest.raises(RuntimeError, match="logits must be a float32"):
+        E.logit_stats(x.bfloat16())
+
+
+@pytest.mark.parametrize("temperature", (0.0, 0.8))
+def test_native_sampler_statistics_agree_with_torch(temperature):
+    from entropic import SamplingParams
+    from entropic.sampling.sampler import Sampler, SamplingBatch
+    g = _gen(6)
+    logits = torch.randn(5, 3000, generator=g) * 3
+    logits[0, :1000] = -math.inf
+    params = [SamplingParams(temperature=temperature, seed=i, logprobs=3) for i in range(5)]
+    outs = [Sampler(native=native)(logits.clone(), SamplingBatch(
+        [f"r{i}" for i in range(5)], params, [0] * 5)) for native in (True, False)]
+    a, b = outs
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.top_ids, b.top_ids)
+    torch.testing.assert_close(a.entropies, b.entropies, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.top_logprobs, b.top_logprobs, rtol=1e-5, atol=1e-5)
+    bad = logits.clone()
+    bad[2, 5] = math.nan
+    with pytest.raises(FloatingPointError, match="NaN"):
+        Sampler(native=True)(bad, SamplingBatch(["x"] * 5, params, [0] * 5))

@@ -33,10 +33,13 @@ class TeacherForcer:
 
     def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
               batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        forced = False
         for i, rid in enumerate(batch.request_ids):
             tgt = self.targets.get(rid)
             if tgt is None:
                 continue
+            if not forced:  # the sampler's logits are not ours to overwrite
+                logits, forced = logits.clone(), True
             k = batch.num_output_tokens[i]
             if self.keep:
                 self.logps.setdefault(rid, []).append(

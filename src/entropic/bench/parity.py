@@ -25,7 +25,7 @@ def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> 
     kv = model.make_kv_cache(math.ceil(n / block_size), block_size)
     dev = model.device
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), num_decode=0,
-                             decode_groups=[], prefills=[PrefillChunk(0, n, 0, None)])
+                             decode_groups=[], prefills=[PrefillChunk(0, n, 0, torch.arange(n, device=dev))])
     positions = torch.arange(n, device=dev)
     return model.forward(torch.tensor(ids, device=dev), positions, meta, kv, positions)
 

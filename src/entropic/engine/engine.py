@@ -95,7 +95,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids, policy, block_policy)
         self.block_policy = block_policy
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(processors))
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(
+            processors, native=getattr(model, "kernels", "torch") == "native"))
         self.stats = EngineStats()
         self.observer = observer
         self.cost_model = CostModel(mc, torch.empty((), dtype=model.dtype).element_size())

@@ -186,12 +186,11 @@ class ModelRunner:
             end = c.start_pos + c.num_tokens
             slots = self._slot_table([c.block_table], end)[0]
             new_slots.append(slots[c.start_pos:])
-            ctx_slots = mask = None
+            mask = None
             if c.start_pos > 0:  # attend to the cached prefix too: causal mask by position
-                ctx_slots = slots
                 pos_q = torch.arange(c.start_pos, end, device=self.device)
                 mask = torch.arange(end, device=self.device) <= pos_q[:, None]
-            chunks.append(PrefillChunk(offset, c.num_tokens, c.start_pos, ctx_slots, mask))
+            chunks.append(PrefillChunk(offset, c.num_tokens, c.start_pos, slots, mask))
             offset += c.num_tokens
         return chunks, new_slots
 

@@ -1,5 +1,9 @@
-"""Native CPU kernels (`cpu_kernels.cpp`): fused per-layer small ops and a paged decode
-attention that reads the KV cache in place. See the C++ file for what each op computes.
+"""Native CPU kernels, one C++ file per job (each says what its ops compute):
+`layer_ops.cpp` (RMSNorm, RoPE with the KV write, SiLU*up), `decode_attention.cpp` (paged decode
+attention reading the KV cache in place), `prefill_attention.cpp` (causal flash-style prefill
+attention, AVX512-BF16), `quant_linear.cpp` (weight-only int4/int8 linear, AVX512-BF16),
+`logit_stats.cpp` (the sampler's per-row max, log-normaliser, entropy and argmax);
+`common.h` holds their shared helpers.
 
 They are compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
 ~1 minute) for this machine's instruction set (`-march=native`), and the build is cached
@@ -18,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))
+HEADERS = sorted(HERE.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 KERNEL_CHOICES = ("native", "torch")
 
@@ -41,10 +47,10 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """The cache folder for this source, torch version, compiler flags and CPU."""
+    """The cache folder for these sources, torch version, compiler flags and CPU."""
+    texts = [p.read_text() for p in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), torch.__version__, " ".join(FLAGS), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
+        [*texts, torch.__version__, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     root = os.environ.get("ENTROPIC_KERNELS_DIR") or Path.home() / ".cache" / "entropic" / "kernels"
     return Path(root) / key
 
@@ -63,7 +69,7 @@ def load() -> None:
         out = build_dir()
         out.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name="entropic_cpu_kernels", sources=[str(SOURCE)],
+            cpp_extension.load(name="entropic_cpu_kernels", sources=[str(p) for p in SOURCES],
                                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(out), is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as e:

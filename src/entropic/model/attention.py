@@ -38,7 +38,7 @@ class PrefillChunk:
     token_offset: int  # index of its first token in the flat batch
     q_len: int
     start: int  # tokens of this sequence already in the cache
-    slots: torch.Tensor | None  # [start + q_len] cache slots of the whole context; None if start == 0
+    slots: torch.Tensor  # [start + q_len] cache slots of the context: cached prefix, then itself
     mask: torch.Tensor | None = None  # [q_len, start + q_len] bool causal mask; None if start == 0
 
 
@@ -87,13 +87,21 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, native: bool = False) -> torch.Tensor:
     """q: [T, H, D]; kv: [T, 2, KVH, D] new keys and values; kv_cache: [slots, 2, KVH, D] of
     this layer. Returns [T, H * D]. `native`: the new K/V are already in the cache
-    (`entropic.rope_kv_`) and decode rows run `entropic.paged_decode_attention`."""
+    (`entropic.rope_kv_`), decode rows run `entropic.paged_decode_attention` and, in bf16 on
+    CPUs with avx512_bf16 (head_dim a multiple of 64), prefill chunks run
+    `entropic.prefill_attention` (elsewhere the SDPA path below)."""
     if not native:
         kv_cache.index_copy_(0, meta.slot_mapping, kv)
     parts = []
     if meta.num_decode:
         parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale, native))
-    parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
+    if native and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 \
+            and torch.ops.entropic.prefill_attention_supported():
+        parts += [torch.ops.entropic.prefill_attention(
+            q[p.token_offset:p.token_offset + p.q_len], kv_cache, p.slots, p.start, scale)
+            for p in meta.prefills]
+    else:
+        parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -141,7 +149,7 @@ def _prefill_chunk(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, p:
     """A causal run of new tokens, after its cached prefix; returns [q_len, H * D]."""
     num_heads, head_dim = q.shape[1:]
     sl = slice(p.token_offset, p.token_offset + p.q_len)
-    ctx = kv[sl] if p.slots is None else kv_cache.index_select(0, p.slots)
+    ctx = kv[sl] if p.start == 0 else kv_cache.index_select(0, p.slots)
     # 4-D [1, heads, len, D] selects the flash kernel; 3-D inputs fall back to the math one,
     # which materialises every score (5x slower at 2k tokens). In fp32, as the math kernel
     # computes too (the bf16 flash kernel would round probabilities to bf16): the same

@@ -42,7 +42,9 @@ class SamplerOutput:
 
 class LogitsProcessor(Protocol):
     """A sampler-chain element. `apply` transforms logits and/or temperatures of the rows
-    it manages; `accept` observes the sampled tokens. It may keep per-request state."""
+    it manages, returning new tensors for what it changes (never writing into `logits`: the
+    sampler reads the model's logprobs from them afterwards); `accept` observes the sampled
+    tokens. It may keep per-request state."""
 
     def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
               batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -106,10 +108,16 @@ def _check_logits(logits: torch.Tensor) -> None:
 
 
 class Sampler:
-    """Samples one token per row. Holds the per-request generators of seeded requests."""
+    """Samples one token per row. Holds the per-request generators of seeded requests.
 
-    def __init__(self, processors: Sequence[LogitsProcessor] = ()) -> None:
+    `native`: the row statistics (max, log-normaliser, entropy, argmax) come from one
+    `entropic.logit_stats` call, two passes over each row, instead of a full log_softmax and
+    five more ops over [S, V] (same numbers up to fp32 summation order; argmax identical);
+    rows with a NaN or an infinite max take the torch path. Needs the native kernels loaded."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = (), native: bool = False) -> None:
         self.processors = list(processors)
+        self.native = native
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, request_ids: Sequence[str]) -> None:
@@ -120,11 +128,16 @@ class Sampler:
             p.release(request_ids)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        _check_logits(logits)
-        S, V = logits.shape
+        raw = logits
         dev = logits.device
-        logp = torch.log_softmax(logits, dim=-1)
-        entropies = entropy_from_logprobs(logp)
+        stats = self._native_stats(logits)
+        if stats is not None:
+            lse, entropies, argmax = stats
+            logp = None
+        else:
+            _check_logits(logits)
+            logp = torch.log_softmax(logits, dim=-1)
+            entropies = entropy_from_logprobs(logp)
         batch.entropies = entropies
         params = batch.params
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
@@ -132,7 +145,8 @@ class Sampler:
             logits, temps = proc.apply(logits, temps, batch)
 
         greedy = temps == 0
-        tokens = logits.argmax(dim=-1)
+        # processors return new logits when they change them (never in place)
+        tokens = argmax if stats is not None and logits is raw else logits.argmax(dim=-1)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._sample(logits, temps, batch))
         for proc in self.processors:
@@ -140,12 +154,31 @@ class Sampler:
 
         # The chosen token's logprob always (its surprisal is a KV-block pruning signal);
         # the top alternatives only when a row asks.
-        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         n_top = max((p.logprobs for p in params if p.logprobs is not None), default=0)
         top_ids = top_lp = None
-        if n_top > 0:
-            top_lp, top_ids = logp.topk(n_top, dim=-1)
+        if logp is None:
+            chosen = raw.gather(1, tokens[:, None]).squeeze(1).sub_(lse)
+            if n_top > 0:
+                top_lp, top_ids = raw.topk(n_top, dim=-1)
+                top_lp = top_lp.sub_(lse[:, None])
+        else:
+            chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+            if n_top > 0:
+                top_lp, top_ids = logp.topk(n_top, dim=-1)
         return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps)
+
+    def _native_stats(self, logits: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(logsumexp, entropy, argmax) per row from the native kernel, or None where it does
+        not apply (not enabled, not CPU fp32 rows, or a row whose max is not finite: those
+        take the checked torch path)."""
+        if not (self.native and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] > 0):
+            return None
+        mx, lse, ent, arg = torch.ops.entropic.logit_stats(logits)
+        if not bool(torch.isfinite(mx).all()):
+            return None
+        return lse, ent, arg
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor,
                 batch: SamplingBatch) -> torch.Tensor:

@@ -1,0 +1,245 @@
+// Paged decode attention: one new token per row against the context slots of that row, read
+// in place from the paged KV cache (no gather, no padding). Scores and softmax in fp32.
+//   paged_decode_attention(q, kv_cache, slots, lengths, scale, mass) -> out
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace entropic_kernels;
+
+// ---------------------------------------------------------------------------------------------
+// Paged decode attention
+
+// Dot product of an fp32 query with one stored key (16 independent lanes: vectorizes).
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    for (int l = 0; l < 16; ++l) lanes[l] += q[i + l] * load(k + i + l);
+  }
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += lanes[l];
+  for (; i < d; ++i) s += q[i] * load(k + i);
+  return s;
+}
+
+// Normalize each head's output by its softmax sum, store it rounded, and add the head's
+// attention probabilities to the row's mass (if asked).
+template <typename T>
+void finish_heads(const float* acc, const float* sc, const float* sum, int64_t len, int64_t d,
+                  int64_t rep, T* out, float* mass) {
+  for (int64_t h = 0; h < rep; ++h) {
+    const float inv = 1.f / sum[h];
+    T* o = out + h * d;
+    for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[h * d + i] * inv, o));
+    if (mass != nullptr) {
+      const float* s = sc + h * len;
+      for (int64_t j = 0; j < len; ++j) mass[j] += s[j] * inv;
+    }
+  }
+}
+
+// One row, one KV head and the `rep` query heads that share it. Scores and softmax in fp32.
+template <typename T>
+void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
+                    int64_t len, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
+                    float scale, T* out, float* mass, std::vector<float>& qf,
+                    std::vector<float>& sc, std::vector<float>& acc) {
+  const int64_t slot_size = 2 * kv_heads * d;
+  qf.resize(rep * d);
+  sc.resize(rep * len);
+  acc.assign(rep * d, 0.f);
+  for (int64_t h = 0; h < rep; ++h)
+    for (int64_t i = 0; i < d; ++i) qf[h * d + i] = load(q + h * q_head_stride + i);
+  std::vector<float> mx(rep, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < len; ++j) {
+    const T* k = cache + slots[j] * slot_size + kv_head * d;
+    for (int64_t h = 0; h < rep; ++h) {
+      float s = dot(qf.data() + h * d, k, d) * scale;
+      sc[h * len + j] = s;
+      mx[h] = std::max(mx[h], s);
+    }
+  }
+  std::vector<float> sum_v(rep, 0.f);
+  float* sum = sum_v.data();
+  for (int64_t h = 0; h < rep; ++h) {
+    float* s = sc.data() + h * len;
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = std::exp(s[j] - mx[h]);
+      sum[h] += s[j];
+    }
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = cache + slots[j] * slot_size + (kv_heads + kv_head) * d;
+    for (int64_t h = 0; h < rep; ++h) {
+      const float p = sc[h * len + j];
+      float* a = acc.data() + h * d;
+      for (int64_t i = 0; i < d; ++i) a[i] += p * load(v + i);
+    }
+  }
+  finish_heads<T>(acc.data(), sc.data(), sum, len, d, rep, out, mass);
+}
+
+#if defined(__AVX512F__)
+
+
+constexpr int64_t kMaxVec = 16;  // head_dim up to 256
+constexpr int64_t kMaxRep = 16;  // query heads per KV head
+
+// The same computation with AVX-512: head_dim a multiple of 16 (up to 256), rep <= 16.
+template <typename T>
+void attend_avx512(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
+                   int64_t len, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
+                   float scale, T* out, float* mass, std::vector<float>& qf,
+                   std::vector<float>& sc, std::vector<float>& acc) {
+  const int64_t slot_size = 2 * kv_heads * d, nv = d / 16;
+  qf.resize(rep * d);
+  sc.resize(rep * len);
+  acc.assign(rep * d, 0.f);
+  for (int64_t h = 0; h < rep; ++h)
+    for (int64_t i = 0; i < d; ++i) qf[h * d + i] = load(q + h * q_head_stride + i);
+  float mx[kMaxRep], sum[kMaxRep];
+  for (int64_t h = 0; h < rep; ++h) mx[h] = -std::numeric_limits<float>::infinity();
+  __m512 kv[kMaxVec];
+  for (int64_t j = 0; j < len; ++j) {
+    const T* k = cache + slots[j] * slot_size + kv_head * d;
+    for (int64_t v = 0; v < nv; ++v) kv[v] = load16(k + 16 * v);
+    for (int64_t h = 0; h < rep; ++h) {
+      const float* qh = qf.data() + h * d;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+      for (int64_t v = 1; v < nv; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), kv[v], a);
+      const float s = _mm512_reduce_add_ps(a) * scale;
+      sc[h * len + j] = s;
+      mx[h] = std::max(mx[h], s);
+    }
+  }
+  for (int64_t h = 0; h < rep; ++h) {
+    float* s = sc.data() + h * len;
+    const __m512 m = _mm512_set1_ps(mx[h]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 lanes = len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+      __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), m));
+      _mm512_mask_storeu_ps(s + j, lanes, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+    }
+    sum[h] = _mm512_reduce_add_ps(total);
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const T* v = cache + slots[j] * slot_size + (kv_heads + kv_head) * d;
+    for (int64_t i = 0; i < nv; ++i) kv[i] = load16(v + 16 * i);
+    for (int64_t h = 0; h < rep; ++h) {
+      const __m512 p = _mm512_set1_ps(sc[h * len + j]);
+      float* a = acc.data() + h * d;
+      for (int64_t i = 0; i < nv; ++i)
+        _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(p, kv[i], _mm512_loadu_ps(a + 16 * i)));
+    }
+  }
+  finish_heads<T>(acc.data(), sc.data(), sum, len, d, rep, out, mass);
+}
+#endif
+
+template <typename T>
+void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots, int64_t len,
+            int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep, float scale, T* out,
+            float* mass, std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& acc) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && d / 16 <= kMaxVec && rep <= kMaxRep) {
+    attend_avx512<T>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, d, rep, scale, out,
+                     mass, qf, sc, acc);
+    return;
+  }
+#endif
+  attend_generic<T>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, d, rep, scale, out,
+                    mass, qf, sc, acc);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& slots, const std::optional<at::Tensor>& lengths,
+                                  double scale, const std::optional<at::Tensor>& mass) {
+  check_cpu_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode_attention: q must be [rows, heads, head_dim], heads contiguous");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(1) == 2 &&
+                  kv_cache.size(3) == q.size(2) && kv_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: kv_cache must be a contiguous [slots, 2, kv_heads, "
+              "head_dim] tensor of q's dtype");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = kv_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "paged_decode_attention: heads (", heads,
+              ") must be a multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == n && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong,
+              "paged_decode_attention: slots must be a contiguous int64 [rows, ctx] tensor");
+  const int64_t ctx = slots.size(1), num_slots = kv_cache.size(0);
+  std::vector<int64_t> len(n, ctx);
+  if (lengths.has_value()) {
+    TORCH_CHECK(lengths->scalar_type() == at::kLong && lengths->numel() == n &&
+                    lengths->is_contiguous(),
+                "paged_decode_attention: lengths must be a contiguous int64 [rows] tensor");
+    const int64_t* l = lengths->data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(l[r] >= 1 && l[r] <= ctx, "paged_decode_attention: length ", l[r],
+                  " of row ", r, " out of range [1, ", ctx, "]");
+      len[r] = l[r];
+    }
+  }
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < len[r]; ++j) {
+      const int64_t s = sl[r * ctx + j];
+      TORCH_CHECK(s >= 0 && s < num_slots, "paged_decode_attention: slot ", s,
+                  " out of range [0, ", num_slots, ")");
+    }
+  }
+  float* mass_ptr = nullptr;
+  if (mass.has_value()) {
+    TORCH_CHECK(mass->scalar_type() == at::kFloat && mass->is_contiguous() &&
+                    mass->dim() == 2 && mass->size(0) == n && mass->size(1) == ctx,
+                "paged_decode_attention: mass must be a contiguous float32 [rows, ctx] tensor");
+    mass_ptr = mass->data_ptr<float>();
+  }
+  auto out = at::empty({n, heads * d}, q.options());
+  const int64_t rep = heads / kv_heads;
+  dispatch(q, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* qp = ptr<T>(q);
+    const T* cache = ptr<T>(kv_cache);
+    T* op = ptr<T>(out);
+    // Work items are (row, kv head); with `mass`, a row's heads add into one mass row, so
+    // then a row is one item.
+    const int64_t per_row = mass_ptr ? 1 : kv_heads;
+    at::parallel_for(0, n * per_row, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, sc, acc;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / per_row;
+        const int64_t g0 = mass_ptr ? 0 : item % per_row;
+        const int64_t g1 = mass_ptr ? kv_heads : g0 + 1;
+        for (int64_t g = g0; g < g1; ++g) {
+          attend<T>(qp + r * q.stride(0) + g * rep * d, d, cache, sl + r * ctx, len[r], g,
+                    kv_heads, d, rep, float(scale), op + r * heads * d + g * rep * d,
+                    mass_ptr ? mass_ptr + r * ctx : nullptr, qf, sc, acc);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(entropic, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor? lengths, "
+        "float scale, Tensor(a!)? mass) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(entropic, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
