@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -147,10 +148,122 @@ void attend_avx512(const T* q, int64_t q_head_stride, const T* cache, const int6
 }
 #endif
 
+#if defined(__AVX512BF16__)
+
+// Sums of 16 vectors: lane j of the result is the sum of the 16 lanes of v[j]. A transpose-
+// and-add tree (45 shuffles and adds) instead of 16 horizontal reductions (~8 dependent ops
+// each); the order of the additions is fixed.
+inline __m512 sum16x16(__m512* v) {
+  __m512 u[8], w[4], z[2];
+  for (int i = 0; i < 8; ++i)  // lane L: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of its 4 floats
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // lane L: the sums of keys 4i .. 4i + 3 over lane L
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // lanes: keys 8i..+3 (L0+L1, L2+L3), keys 8i+4..+7 (same)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                       _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// bf16 cache and queries, head_dim = 16 * NV (NV in 2, 4, 8, 16). Scores: each key against a
+// query head is d / 32 AVX512-BF16 dot products (exact products, fp32 sums) and 16 keys'
+// partial sums are reduced together; softmax in fp32; P.V in fp32 with the output of up to
+// 16 / NV heads in registers. The same numbers for a row whatever the other rows are.
+template <int NV>
+void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cache,
+                 const int64_t* slots, int64_t len, int64_t kv_head, int64_t kv_heads,
+                 int64_t rep, float scale, bf16_bits* out, float* mass, std::vector<float>& sc,
+                 std::vector<float>& acc) {
+  constexpr int64_t d = 16 * NV, nz = d / 32;  // nz: 32-wide bf16 vectors per head
+  constexpr int64_t heads_per_group = NV >= 16 ? 1 : 16 / NV;
+  const int64_t slot_size = 2 * kv_heads * d;
+  const int64_t padded = (len + 15) / 16 * 16;
+  sc.resize(rep * padded);
+  acc.resize(rep * d);
+  float mx[kMaxRep], sum[kMaxRep];
+  for (int64_t h = 0; h < rep; ++h) {
+    __m512bh qz[nz];
+    for (int64_t z = 0; z < nz; ++z)
+      qz[z] = (__m512bh)_mm512_loadu_si512(q + h * q_head_stride + 32 * z);
+    float* s = sc.data() + h * padded;
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      __m512 v[16];
+      const int64_t n = std::min<int64_t>(16, len - j0);
+      for (int64_t j = 0; j < 16; ++j) {
+        v[j] = _mm512_setzero_ps();
+        if (j < n) {
+          const bf16_bits* k = cache + slots[j0 + j] * slot_size + kv_head * d;
+          for (int64_t z = 0; z < nz; ++z)
+            v[j] = _mm512_dpbf16_ps(v[j], (__m512bh)_mm512_loadu_si512(k + 32 * z), qz[z]);
+        }
+      }
+      _mm512_storeu_ps(s + j0, _mm512_mul_ps(sum16x16(v), _mm512_set1_ps(scale)));
+    }
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 lanes = len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+      m = _mm512_mask_max_ps(m, lanes, m, _mm512_loadu_ps(s + j));
+    }
+    mx[h] = _mm512_reduce_max_ps(m);
+    const __m512 mv = _mm512_set1_ps(mx[h]);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 lanes = len - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (len - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+      _mm512_storeu_ps(s + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    sum[h] = _mm512_reduce_add_ps(total);
+  }
+  for (int64_t h0 = 0; h0 < rep; h0 += heads_per_group) {
+    const int64_t hn = std::min<int64_t>(heads_per_group, rep - h0);
+    __m512 a[heads_per_group][NV];
+    for (int64_t h = 0; h < heads_per_group; ++h)
+      for (int c = 0; c < NV; ++c) a[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const bf16_bits* vr = cache + slots[j] * slot_size + (kv_heads + kv_head) * d;
+      __m512 vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = load16(vr + 16 * c);
+      for (int64_t h = 0; h < heads_per_group; ++h) {
+        if (h >= hn) break;
+        const __m512 p = _mm512_set1_ps(sc[(h0 + h) * padded + j]);
+        for (int c = 0; c < NV; ++c) a[h][c] = _mm512_fmadd_ps(p, vv[c], a[h][c]);
+      }
+    }
+    for (int64_t h = 0; h < hn; ++h)
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc.data() + (h0 + h) * d + 16 * c, a[h][c]);
+  }
+  // finish_heads reads each head's probabilities at stride len
+  if (mass != nullptr && padded != len)
+    for (int64_t h = 1; h < rep; ++h)
+      std::memmove(sc.data() + h * len, sc.data() + h * padded, len * sizeof(float));
+  finish_heads<bf16_bits>(acc.data(), sc.data(), sum, len, d, rep, out, mass);
+}
+#endif
+
 template <typename T>
 void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots, int64_t len,
             int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep, float scale, T* out,
             float* mass, std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    if (rep <= kMaxRep && (d == 32 || d == 64 || d == 128 || d == 256)) {
+      switch (d) {
+        case 32: attend_bf16<2>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                scale, out, mass, sc, acc); return;
+        case 64: attend_bf16<4>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                scale, out, mass, sc, acc); return;
+        case 128: attend_bf16<8>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                 scale, out, mass, sc, acc); return;
+        default: attend_bf16<16>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                 scale, out, mass, sc, acc); return;
+      }
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if (d % 16 == 0 && d / 16 <= kMaxVec && rep <= kMaxRep) {
     attend_avx512<T>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, d, rep, scale, out,
@@ -214,11 +327,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const T* cache = ptr<T>(kv_cache);
     T* op = ptr<T>(out);
     // Work items are (row, kv head); with `mass`, a row's heads add into one mass row, so
-    // then a row is one item.
-    const int64_t per_row = mass_ptr ? 1 : kv_heads;
-    at::parallel_for(0, n * per_row, 1, [&](int64_t begin, int64_t end) {
+    // then a row is one item. Rows differ in length: items are handed out one at a time
+    // (an atomic counter), so that no thread waits on another's share of long rows.
+    const int64_t per_row = mass_ptr ? 1 : kv_heads, items = n * per_row;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1,
+                     [&](int64_t, int64_t) {
       std::vector<float> qf, sc, acc;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
         const int64_t r = item / per_row;
         const int64_t g0 = mass_ptr ? 0 : item % per_row;
         const int64_t g1 = mass_ptr ? kv_heads : g0 + 1;
