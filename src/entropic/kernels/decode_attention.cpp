@@ -192,6 +192,15 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       __m512 v[16];
       const int64_t n = std::min<int64_t>(16, len - j0);
+      if (h == 0) {
+        // A row's slots are scattered blocks, which the hardware prefetcher does not follow:
+        // while a KV head's first scores are computed, fetch whole slots (every head's K and
+        // V) 16 to 32 keys ahead; the passes after it over this row then read from cache.
+        for (int64_t j = j0 + 16; j < std::min(len, j0 + 32); ++j) {
+          const char* slot = reinterpret_cast<const char*>(cache + slots[j] * slot_size);
+          for (int64_t b = 0; b < slot_size * 2; b += 64) _mm_prefetch(slot + b, _MM_HINT_T1);
+        }
+      }
       for (int64_t j = 0; j < 16; ++j) {
         v[j] = _mm512_setzero_ps();
         if (j < n) {
@@ -326,18 +335,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const T* qp = ptr<T>(q);
     const T* cache = ptr<T>(kv_cache);
     T* op = ptr<T>(out);
-    // Work items are (row, kv head); with `mass`, a row's heads add into one mass row, so
-    // then a row is one item. Rows differ in length: items are handed out one at a time
-    // (an atomic counter), so that no thread waits on another's share of long rows.
-    const int64_t per_row = mass_ptr ? 1 : kv_heads, items = n * per_row;
+    // Work items are rows, all KV heads of a row in turn: one pass brings the row's slots
+    // into cache, whole (with `mass`, a row's heads add into one mass row anyway). With few
+    // rows, (row, KV head) pairs instead, so that every thread has work. Rows differ in
+    // length: items are handed out one at a time (an atomic counter), so that no thread
+    // waits on another's share of long rows.
+    const int64_t threads = at::get_num_threads();
+    const int64_t per_row = (mass_ptr == nullptr && n < 4 * threads) ? kv_heads : 1;
+    const int64_t items = n * per_row;
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1,
-                     [&](int64_t, int64_t) {
+    at::parallel_for(0, std::min(items, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, sc, acc;
       for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
         const int64_t r = item / per_row;
-        const int64_t g0 = mass_ptr ? 0 : item % per_row;
-        const int64_t g1 = mass_ptr ? kv_heads : g0 + 1;
+        const int64_t g0 = per_row == 1 ? 0 : item % per_row;
+        const int64_t g1 = per_row == 1 ? kv_heads : g0 + 1;
         for (int64_t g = g0; g < g1; ++g) {
           attend<T>(qp + r * q.stride(0) + g * rep * d, d, cache, sl + r * ctx, len[r], g,
                     kv_heads, d, rep, float(scale), op + r * heads * d + g * rep * d,
