@@ -9,7 +9,11 @@ implementations alternating call by call so that machine noise hits both alike:
   against the torch path (gather the context with index_select, then SDPA), SmolLM2's
   shapes (9 query heads, 3 KV heads, head dim 64), KV in blocks of 16 slots scattered over a
   large cache, at batch 1 (context 128 and 1024) and 64 rows (context 300);
+- prefill attention: `entropic.prefill_attention` (bf16, flash style) against SDPA's fp32
+  flash kernel (the torch path), causal, 512 and 2048 tokens, one layer;
 - small ops of one layer: RMSNorm, RoPE + KV write, SiLU*up against their torch formulas;
+- the sampler's row statistics (max, log-normaliser, entropy, argmax) over 49152 logits,
+  1 and 64 rows: `entropic.logit_stats` against log_softmax and the ops around it;
 - int4 projections of a whole token: the 4 projection shapes of SmolLM2 x 30 layers, each
   with its own weights (so they stream from memory as in a real decode step), entropic's
   int4 kernel against torch's (`_weight_int4pack_mm_for_cpu`), and a plain sum over the
@@ -76,6 +80,58 @@ def attention_rows(repeats: int) -> list[dict]:
                                                                      0.125, None),
                         "torch": torch_path}, repeats if n == 1 else max(repeats // 10, 5))
         out.append({"what": f"decode attention, {n} row(s), context {ctx}", **t})
+    return out
+
+
+def prefill_rows(repeats: int) -> list[dict]:
+    """Causal attention of a whole prompt (no cached prefix), SmolLM2's shapes: entropic's
+    bf16 prefill kernel against the torch path it replaces (SDPA's flash kernel in fp32 on
+    the chunk's own K/V, as `entropic.model.attention._prefill_chunk` runs it)."""
+    import torch
+    import torch.nn.functional as F
+    ops = torch.ops.entropic
+    if not ops.prefill_attention_supported():
+        print("prefill attention: skipped (needs a CPU with avx512_bf16)")
+        return []
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for T in (512, 2048):
+        cache = torch.randn(T, 2, 3, 64, generator=gen).bfloat16()
+        q = torch.randn(T, 9, 64, generator=gen).bfloat16()
+        slots = torch.arange(T)
+
+        def torch_path():
+            qp = q.transpose(0, 1)[None].float()
+            kp = cache[:, 0].transpose(0, 1)[None].float()
+            vp = cache[:, 1].transpose(0, 1)[None].float()
+            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=0.125,
+                                                  enable_gqa=True)[0].transpose(0, 1).bfloat16()
+
+        t = _median_us({"native": lambda: ops.prefill_attention(q, cache, slots, 0, 0.125),
+                        "torch": torch_path}, max(repeats // 40, 5))
+        out.append({"what": f"prefill attention, {T}-token prompt (one layer)", **t})
+    return out
+
+
+def sampler_rows(repeats: int) -> list[dict]:
+    """The sampler's per-row statistics of a step's fp32 logits (vocabulary 49152): one
+    `entropic.logit_stats` call against the torch ops it replaces (finite check, log_softmax,
+    entropy, argmax)."""
+    import torch
+    from entropic.sampling.sampler import entropy_from_logprobs
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for rows in (1, 64):
+        logits = torch.randn(rows, 49152, generator=gen) * 3
+
+        def torch_path():
+            torch.isfinite(logits.amax(dim=-1)).all()
+            logp = torch.log_softmax(logits, dim=-1)
+            return entropy_from_logprobs(logp), logits.argmax(dim=-1)
+
+        t = _median_us({"native": lambda: torch.ops.entropic.logit_stats(logits),
+                        "torch": torch_path}, repeats if rows == 1 else max(repeats // 10, 5))
+        out.append({"what": f"sampler statistics, {rows} row(s) x 49152", **t})
     return out
 
 
@@ -161,7 +217,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     kernels.load()
     repeats = 100 if a.quick else 400
-    rows = attention_rows(repeats) + small_op_rows(repeats) + quantized_rows(repeats)
+    rows = (attention_rows(repeats) + prefill_rows(repeats) + small_op_rows(repeats)
+            + sampler_rows(repeats) + quantized_rows(repeats))
     print(f"| kernel call | native us | torch us | torch / native |")
     print("|---|---|---|---|")
     for r in rows:
