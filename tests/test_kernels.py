@@ -330,3 +330,34 @@ def test_native_sampler_statistics_agree_with_torch(temperature):
     bad[2, 5] = math.nan
     with pytest.raises(FloatingPointError, match="NaN"):
         Sampler(native=True)(bad, SamplingBatch(["x"] * 5, params, [0] * 5))
+
+
+@pytest.mark.model
+@needs_bf16_attention
+def test_bf16_prompt_scores_do_not_depend_on_prefill_chunking(llm_bf16, chat_prompts):
+    """bf16 on the native kernels (prefill attention included): a prompt prefilled alone in
+    chunks of ~24 tokens scores every prompt token and continues greedily exactly as when
+    prefilled whole, alone or beside two others. Attention's key blocks are aligned to
+    position 0 and the linear layers keep a row's numbers for any row count, so nothing
+    may differ. (Chunk sizes avoid a 1-token chunk: that one runs as a decode row.)"""
+    from entropic import SamplingParams
+
+    prompts = sorted(chat_prompts, key=len)[-3:]  # the longest: several chunks each
+    assert min(len(p) for p in prompts) > 48 and sum(len(p) for p in prompts) <= 512
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    sched = llm_bf16.engine.scheduler
+    old = sched.max_num_batched_tokens
+    try:
+        sched.max_num_batched_tokens = 512  # all three whole in one step
+        together = llm_bf16.generate(prompts, params)
+        alone = [llm_bf16.generate([p], params)[0] for p in prompts]
+        chunked = []
+        for p in prompts:
+            sched.max_num_batched_tokens = next(b for b in range(24, 40) if len(p) % b != 1)
+            chunked.append(llm_bf16.generate([p], params)[0])
+    finally:
+        sched.max_num_batched_tokens = old
+    for t, a, c in zip(together, alone, chunked):
+        scores = [[e.logprob for e in o.prompt_logprobs[1:]] for o in (t, a, c)]
+        assert scores[0] == scores[1] == scores[2]
+        assert t.token_ids == a.token_ids == c.token_ids
