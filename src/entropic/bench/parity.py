@@ -24,8 +24,9 @@ def sequence_logits(model: LlamaModel, ids: list[int], block_size: int = 16) -> 
         raise ValueError("sequence_logits needs at least one token")
     kv = model.make_kv_cache(math.ceil(n / block_size), block_size)
     dev = model.device
-    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev), num_decode=0,
-                             decode_groups=[], prefills=[PrefillChunk(0, n, 0, torch.arange(n, device=dev))])
+    slots = torch.arange(n, device=dev)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode=0, decode_groups=[],
+                             prefills=[PrefillChunk(0, n, 0, slots)])
     positions = torch.arange(n, device=dev)
     return model.forward(torch.tensor(ids, device=dev), positions, meta, kv, positions)
 

@@ -95,6 +95,15 @@ void dispatch(const at::Tensor& t, F&& f) {
   }
 }
 
+// Whether this build has the AVX512-BF16 kernels (int4/int8 linear, prefill attention).
+inline bool has_avx512_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 #if defined(__AVX512F__)
 // exp on 16 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp).
 inline __m512 exp16(__m512 x) {

@@ -18,15 +18,6 @@ using namespace entropic_kernels;
 // with a NaN gets a NaN max (and the other results are then meaningless): callers check the
 // max before trusting the rest.
 
-template <typename F>
-void each_row(int64_t rows, int64_t n, F&& f) {
-  // a thread per row when there are several; a long single row stays on one thread (its two
-  // passes take ~20 us for 49k logits)
-  at::parallel_for(0, rows, n >= 4096 ? 1 : 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) f(r);
-  });
-}
-
 void logit_stats_row(const float* x, int64_t n, float* mx, float* lse, float* ent, int64_t* arg) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = 0;
@@ -110,8 +101,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logit_stats(const at:
   const int64_t stride = logits.stride(0);
   float *pm = mx.data_ptr<float>(), *pl = lse.data_ptr<float>(), *pe = ent.data_ptr<float>();
   int64_t* pa = arg.data_ptr<int64_t>();
-  each_row(rows, n, [&](int64_t r) {
-    logit_stats_row(x + r * stride, n, pm + r, pl + r, pe + r, pa + r);
+  // a thread per row when there are several; a long single row stays on one thread (its two
+  // passes take ~20 us for 49k logits)
+  at::parallel_for(0, rows, n >= 4096 ? 1 : 64, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      logit_stats_row(x + r * stride, n, pm + r, pl + r, pe + r, pa + r);
   });
   return {mx, lse, ent, arg};
 }

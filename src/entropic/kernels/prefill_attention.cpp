@@ -223,13 +223,7 @@ void prefill_rows(const PrefillArgs& args, const bf16_bits* cache, const int64_t
 }
 #endif
 
-bool prefill_attention_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool prefill_attention_supported() { return has_avx512_bf16(); }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& slots, int64_t start, double scale) {

@@ -212,22 +212,21 @@ void int8_rows(const bf16_bits* x, int64_t x_stride, const uint8_t* codes, const
 }
 #endif
 
-bool int4_linear_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
+bool int4_linear_supported() { return has_avx512_bf16(); }
+
+// The activation checks both quantized linears share; returns in_features.
+int64_t check_activations(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(has_avx512_bf16(), op, ": this build has no AVX512-BF16 (the CPU lacks avx512_bf16)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              op, ": x must be a bfloat16 [rows, in_features] CPU tensor, unit stride");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % 32 == 0, op, ": in_features ", k, " must be a multiple of 32");
+  return k;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(int4_linear_supported(),
-              "int8_linear: this build has no AVX512-BF16 (the CPU lacks avx512_bf16)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "int8_linear: x must be a bfloat16 [rows, in_features] CPU tensor, unit stride");
-  const int64_t k = x.size(1);
-  TORCH_CHECK(k % 32 == 0, "int8_linear: in_features ", k, " must be a multiple of 32");
+  const int64_t k = check_activations(x, "int8_linear");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1,
               "int8_linear: scale must be a contiguous float32 [out_features]");
   const int64_t n = scale.size(0), tiles = (n + kColTile - 1) / kColTile;
@@ -245,13 +244,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& offset128) {
-  TORCH_CHECK(int4_linear_supported(),
-              "int4_linear: this build has no AVX512-BF16 (the CPU lacks avx512_bf16)");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "int4_linear: x must be a bfloat16 [rows, in_features] CPU tensor, unit stride");
-  const int64_t k = x.size(1);
-  TORCH_CHECK(k % 32 == 0, "int4_linear: in_features ", k, " must be a multiple of 32");
+  const int64_t k = check_activations(x, "int4_linear");
   const int64_t groups = k / 32;
   TORCH_CHECK(offset128.scalar_type() == at::kFloat && offset128.is_contiguous() &&
                   offset128.dim() == 2 && offset128.size(1) == groups,

@@ -84,25 +84,32 @@ class KVCache:
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, native: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, native: bool = False,
+                    native_prefill: bool = False) -> torch.Tensor:
     """q: [T, H, D]; kv: [T, 2, KVH, D] new keys and values; kv_cache: [slots, 2, KVH, D] of
     this layer. Returns [T, H * D]. `native`: the new K/V are already in the cache
-    (`entropic.rope_kv_`), decode rows run `entropic.paged_decode_attention` and, in bf16 on
-    CPUs with avx512_bf16 (head_dim a multiple of 64), prefill chunks run
-    `entropic.prefill_attention` (elsewhere the SDPA path below)."""
+    (`entropic.rope_kv_`) and decode rows run `entropic.paged_decode_attention`;
+    `native_prefill` (with `native`, where `native_prefill_supported` says so): prefill chunks
+    run `entropic.prefill_attention`, else the SDPA path below."""
     if not native:
         kv_cache.index_copy_(0, meta.slot_mapping, kv)
     parts = []
     if meta.num_decode:
         parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale, native))
-    if native and q.dtype == torch.bfloat16 and q.shape[-1] % 64 == 0 \
-            and torch.ops.entropic.prefill_attention_supported():
+    if native and native_prefill:
         parts += [torch.ops.entropic.prefill_attention(
             q[p.token_offset:p.token_offset + p.q_len], kv_cache, p.slots, p.start, scale)
             for p in meta.prefills]
     else:
         parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def native_prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `entropic.prefill_attention` runs here: bf16, head_dim a multiple of 64, and
+    kernels built for a CPU with avx512_bf16 (the native kernels must be loaded)."""
+    return (dtype == torch.bfloat16 and head_dim % 64 == 0
+            and bool(torch.ops.entropic.prefill_attention_supported()))
 
 
 def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from entropic import kernels as native
 from entropic.config import ModelConfig
-from entropic.model.attention import AttentionMetadata, KVCache, paged_attention
+from entropic.model.attention import (AttentionMetadata, KVCache, native_prefill_supported,
+                                      paged_attention)
 from entropic.model.linear import (Int8Linear, Linear, NativeInt8Linear, check_quantization,
                                    make_linear, native_int4_available)
 from entropic.model.quant import Int4Blocks
@@ -112,6 +113,9 @@ class LlamaModel:
                                  f"{str(dtype).removeprefix('torch.')}; use kernels='torch'")
             native.load()
         self.kernels = kernels
+        # decided once: prefill chunks on entropic's bf16 prefill attention, or on SDPA
+        self.native_prefill = (kernels == "native"
+                               and native_prefill_supported(dtype, config.head_dim))
         # weight-only int4/int8: entropic's kernels where they run (avx512_bf16), else torch's
         self.quant_kernel = None
         if quantization is not None:
@@ -208,7 +212,8 @@ class LlamaModel:
                          c.num_kv_heads)
             q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)
             new_kv = qkv[:, self.q_size:].view(T, 2, c.num_kv_heads, c.head_dim)
-            x += w.o(paged_attention(q, new_kv, kv_cache, meta, self.scale, native=True))
+            x += w.o(paged_attention(q, new_kv, kv_cache, meta, self.scale, native=True,
+                                  native_prefill=self.native_prefill))
             x += w.down(ops.silu_mul(w.gate_up(ops.rms_norm(x, w.post_norm, c.rms_norm_eps))))
             return x
         qkv = w.qkv(rms_norm(x, w.in_norm, c.rms_norm_eps))
