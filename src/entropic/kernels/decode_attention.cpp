@@ -18,6 +18,10 @@ using namespace entropic_kernels;
 // ---------------------------------------------------------------------------------------------
 // Paged decode attention
 
+// How many slots of its next row a thread fetches ahead (x 768 bytes for SmolLM2: 192 KB,
+// well within a core's L2 next to the current row's working set).
+constexpr int64_t kLookaheadSlots = 256;
+
 // Dot product of an fp32 query with one stored key (16 independent lanes: vectorizes).
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -148,7 +152,21 @@ void attend_avx512(const T* q, int64_t q_head_stride, const T* cache, const int6
 }
 #endif
 
+// Slots to fetch into cache while a (row, KV head) is computed: `count` slots of the row
+// that comes next, and how many leading slots of this row an earlier lookahead fetched.
+struct Lookahead {
+  const int64_t* slots = nullptr;
+  int64_t count = 0;
+  int64_t covered = 0;
+};
+
 #if defined(__AVX512BF16__)
+
+// Asks for one whole slot (every KV head's K and V: `slot_size` elements of 2 bytes) in L2.
+inline void prefetch_slot(const bf16_bits* slot, int64_t slot_size) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t b = 0; b < slot_size * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
 
 // Sums of 16 vectors: lane j of the result is the sum of the 16 lanes of v[j]. A transpose-
 // and-add tree (45 shuffles and adds) instead of 16 horizontal reductions (~8 dependent ops
@@ -176,7 +194,7 @@ template <int NV>
 void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cache,
                  const int64_t* slots, int64_t len, int64_t kv_head, int64_t kv_heads,
                  int64_t rep, float scale, bf16_bits* out, float* mass, std::vector<float>& sc,
-                 std::vector<float>& acc) {
+                 std::vector<float>& acc, const Lookahead& ahead) {
   constexpr int64_t d = 16 * NV, nz = d / 32;  // nz: 32-wide bf16 vectors per head
   constexpr int64_t heads_per_group = NV >= 16 ? 1 : 16 / NV;
   const int64_t slot_size = 2 * kv_heads * d;
@@ -195,11 +213,15 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
       if (h == 0) {
         // A row's slots are scattered blocks, which the hardware prefetcher does not follow:
         // while a KV head's first scores are computed, fetch whole slots (every head's K and
-        // V) 16 to 32 keys ahead; the passes after it over this row then read from cache.
-        for (int64_t j = j0 + 16; j < std::min(len, j0 + 32); ++j) {
-          const char* slot = reinterpret_cast<const char*>(cache + slots[j] * slot_size);
-          for (int64_t b = 0; b < slot_size * 2; b += 64) _mm_prefetch(slot + b, _MM_HINT_T1);
-        }
+        // V) 16 to 32 keys ahead, past those the lookahead already fetched; the passes after
+        // it over this row then read from cache. The next row's share is fetched alongside.
+        for (int64_t j = std::max(j0 + 16, ahead.covered); j < std::min(len, j0 + 32); ++j)
+          prefetch_slot(cache + slots[j] * slot_size, slot_size);
+      }
+      {
+        const int64_t chunks = rep * padded / 16, c = h * padded / 16 + j0 / 16;
+        for (int64_t j = c * ahead.count / chunks; j < (c + 1) * ahead.count / chunks; ++j)
+          prefetch_slot(cache + ahead.slots[j] * slot_size, slot_size);
       }
       for (int64_t j = 0; j < 16; ++j) {
         v[j] = _mm512_setzero_ps();
@@ -256,19 +278,20 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
 template <typename T>
 void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots, int64_t len,
             int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep, float scale, T* out,
-            float* mass, std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& acc) {
+            float* mass, std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& acc,
+            const Lookahead& ahead) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16_bits>) {
     if (rep <= kMaxRep && (d == 32 || d == 64 || d == 128 || d == 256)) {
       switch (d) {
         case 32: attend_bf16<2>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
-                                scale, out, mass, sc, acc); return;
+                                scale, out, mass, sc, acc, ahead); return;
         case 64: attend_bf16<4>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
-                                scale, out, mass, sc, acc); return;
+                                scale, out, mass, sc, acc, ahead); return;
         case 128: attend_bf16<8>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
-                                 scale, out, mass, sc, acc); return;
+                                 scale, out, mass, sc, acc, ahead); return;
         default: attend_bf16<16>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
-                                 scale, out, mass, sc, acc); return;
+                                 scale, out, mass, sc, acc, ahead); return;
       }
     }
   }
@@ -346,15 +369,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(items, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, sc, acc;
-      for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+      // With whole rows as items, a thread claims its next row before it starts the current
+      // one and fetches that row's first kLookaheadSlots slots while it computes: a row's
+      // first pass over its scattered blocks would otherwise wait on memory.
+      int64_t covered = 0;
+      for (int64_t item = next.fetch_add(1), following; item < items; item = following) {
+        following = per_row == 1 ? next.fetch_add(1) : item + 1;
         const int64_t r = item / per_row;
         const int64_t g0 = per_row == 1 ? 0 : item % per_row;
         const int64_t g1 = per_row == 1 ? kv_heads : g0 + 1;
+        const bool ahead = per_row == 1 && following < items;
+        const int64_t count = ahead ? std::min(len[following], kLookaheadSlots) : 0;
         for (int64_t g = g0; g < g1; ++g) {
+          // the next row's slots, a share per KV head
+          const Lookahead la{ahead ? sl + following * ctx + g * count / kv_heads : nullptr,
+                             (g + 1) * count / kv_heads - g * count / kv_heads, covered};
           attend<T>(qp + r * q.stride(0) + g * rep * d, d, cache, sl + r * ctx, len[r], g,
                     kv_heads, d, rep, float(scale), op + r * heads * d + g * rep * d,
-                    mass_ptr ? mass_ptr + r * ctx : nullptr, qf, sc, acc);
+                    mass_ptr ? mass_ptr + r * ctx : nullptr, qf, sc, acc, la);
         }
+        covered = count;
       }
     });
   });

@@ -165,12 +165,10 @@ void silu_mul_rows(const T* gu, T* y, int64_t rows, int64_t n, int64_t stride) {
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= n; i += 16) {
-        alignas(64) float act[16], up[16];
         const __m512 x = load16(g + i);
-        _mm512_store_ps(act, _mm512_div_ps(
-            x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-        _mm512_store_ps(up, load16(u + i));
-        for (int l = 0; l < 16; ++l) store(yr + i + l, round_to(round_to(act[l], yr) * up[l], yr));
+        const __m512 act = round16(_mm512_div_ps(
+            x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))), yr);
+        store16(yr + i, round16(_mm512_mul_ps(act, load16(u + i)), yr));
       }
 #endif
       for (; i < n; ++i) {
