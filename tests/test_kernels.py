@@ -107,13 +107,21 @@ def test_paged_decode_attention_matches_softmax_attention(dtype, head_dim):
 
 
 def test_paged_decode_attention_rows_do_not_depend_on_each_other():
+    # 12 rows: whole rows are work items, each thread fetching its next row ahead (up to 256
+    # slots: rows up to 400 long are partly fetched ahead); alone, a row is split by KV head
     g = _gen(3)
-    cache = torch.randn(500, 2, 3, 64, generator=g).bfloat16()
-    q = torch.randn(8, 9, 64, generator=g).bfloat16()
-    slots = torch.randint(0, 500, (8, 90), generator=g)
-    lengths = torch.randint(1, 91, (8,), generator=g)
+    n, ctx = 12, 400
+    cache = torch.randn(2000, 2, 3, 64, generator=g).bfloat16()
+    q = torch.randn(n, 9, 64, generator=g).bfloat16()
+    slots = torch.randint(0, 2000, (n, ctx), generator=g)
+    lengths = torch.randint(1, ctx + 1, (n,), generator=g)
+    lengths[:3] = torch.tensor([ctx, 1, 257])
+    for r in range(n):
+        slots[r, lengths[r]:] = 10 ** 9  # past a row's length: never read, nor fetched ahead
     batch = E.paged_decode_attention(q, cache, slots, lengths, 0.125, None)
-    for r in range(8):
+    torch.testing.assert_close(batch.double(), _reference_attention(
+        q, cache, slots.clamp(max=1999), lengths, 0.125)[0], rtol=1e-2, atol=1e-2)
+    for r in range(n):
         alone = E.paged_decode_attention(q[r:r + 1], cache, slots[r:r + 1, :lengths[r]], None,
                                          0.125, None)
         assert torch.equal(alone[0], batch[r])
