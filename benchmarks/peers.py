@@ -357,7 +357,9 @@ def available(peer: str, a) -> str | None:
     return None
 
 
-def run_child(peer: str, a, work_file: str, startup_only: bool) -> dict:
+def child_setup(peer: str, a) -> tuple[str, str, dict]:
+    """The interpreter, model and environment a peer's child runs with (threads set; vLLM in
+    its own venv, on its HF directory, with its OMP threads bound)."""
     python = a.vllm_python if peer == "vllm" else sys.executable
     model = a.vllm_model if peer == "vllm" else a.model
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), TQDM_DISABLE="1",
@@ -365,6 +367,11 @@ def run_child(peer: str, a, work_file: str, startup_only: bool) -> dict:
     if peer == "vllm":
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
         env.pop("PYTHONPATH")
+    return python, model, env
+
+
+def run_child(peer: str, a, work_file: str, startup_only: bool) -> dict:
+    python, model, env = child_setup(peer, a)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [python, str(HERE), "--child", peer, "--model", model, "--work", work_file, "--out", out,

@@ -44,18 +44,9 @@ def child(a) -> None:
 
 
 def spawn(name: str, a, work_file: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
-               TQDM_DISABLE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                        os.environ.get("PYTHONPATH")])))
-    python, model = sys.executable, a.model
-    if name == "vllm":
-        python, model = a.vllm_python, a.vllm_model
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
+    python, model, env = peers.child_setup(name, a)  # peers.py's interpreter, model, env
     cmd = [python, str(HERE), "--child", name, "--work", work_file, "--threads", str(a.threads),
-           "--new-tokens", str(a.new_tokens), "--n-ctx", str(a.n_ctx)]
-    if model:
-        cmd += ["--model", str(model)]
+           "--new-tokens", str(a.new_tokens), "--n-ctx", str(a.n_ctx), "--model", str(model)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)  # its own group: frozen and killed whole

@@ -214,7 +214,8 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
         // A row's slots are scattered blocks, which the hardware prefetcher does not follow:
         // while a KV head's first scores are computed, fetch whole slots (every head's K and
         // V) 16 to 32 keys ahead, past those the lookahead already fetched; the passes after
-        // it over this row then read from cache. The next row's share is fetched alongside.
+        // it over this row then read from cache. The next row's share is spread over the
+        // score passes of every query head, below.
         for (int64_t j = std::max(j0 + 16, ahead.covered); j < std::min(len, j0 + 32); ++j)
           prefetch_slot(cache + slots[j] * slot_size, slot_size);
       }
@@ -373,12 +374,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       // one and fetches that row's first kLookaheadSlots slots while it computes: a row's
       // first pass over its scattered blocks would otherwise wait on memory.
       int64_t covered = 0;
-      for (int64_t item = next.fetch_add(1), following; item < items; item = following) {
-        following = per_row == 1 ? next.fetch_add(1) : item + 1;
+      for (int64_t item = next.fetch_add(1); item < items;) {
+        const int64_t following = per_row == 1 ? next.fetch_add(1) : items;
         const int64_t r = item / per_row;
         const int64_t g0 = per_row == 1 ? 0 : item % per_row;
         const int64_t g1 = per_row == 1 ? kv_heads : g0 + 1;
-        const bool ahead = per_row == 1 && following < items;
+        const bool ahead = following < items;  // never with (row, KV head) items
         const int64_t count = ahead ? std::min(len[following], kLookaheadSlots) : 0;
         for (int64_t g = g0; g < g1; ++g) {
           // the next row's slots, a share per KV head
@@ -389,6 +390,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                     mass_ptr ? mass_ptr + r * ctx : nullptr, qf, sc, acc, la);
         }
         covered = count;
+        item = per_row == 1 ? following : next.fetch_add(1);
       }
     });
   });
