@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from entropic.server.async_engine import AsyncEngine
-from entropic.server.errors import ApiError, ApiKeyGate, install_error_handlers
+from entropic.server.errors import ApiKeyGate, install_error_handlers
 from entropic.server.metrics import ServerMetrics
 from entropic.server.openai_api import ServerState, router
-from entropic.server.protocol import DetokenizeRequest, TokenizeRequest
+from entropic.server.tokenizer_api import router as tokenizer_router
 from entropic.server.responses import TokenText
 
 
@@ -34,7 +34,8 @@ def build_app(llm, model_name: str | None = None, api_key: str | None = None,
     name = model_name or default_model_name(llm.source)
     metrics = ServerMetrics(name, llm.engine)
     engine = AsyncEngine(llm.engine, max_waiting, on_step=metrics.on_step)
-    state = ServerState(engine, llm.tokenizer, name, TokenText(llm.tokenizer))
+    state = ServerState(engine, llm.tokenizer, name, TokenText(llm.tokenizer),
+                        llm.engine.max_model_len)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -50,6 +51,7 @@ def build_app(llm, model_name: str | None = None, api_key: str | None = None,
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(tokenizer_router)
     if api_key:
         app.add_middleware(ApiKeyGate, api_key=api_key)
 
@@ -73,31 +75,5 @@ def build_app(llm, model_name: str | None = None, api_key: str | None = None,
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "entropic",
             "max_model_len": llm.engine.max_model_len}]}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        state.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "tokenize: give exactly one of `prompt` (text) or `messages`",
-                           param="prompt")
-        try:
-            if body.messages is not None:
-                ids = llm.tokenizer.apply_chat_template(
-                    [m.as_template_dict() for m in body.messages], body.add_generation_prompt)
-            else:
-                ids = llm.tokenizer.encode(body.prompt)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        state.check_model(body.model)
-        vocab = llm.tokenizer.vocab_size
-        for i, t in enumerate(body.tokens):
-            if not 0 <= t < vocab:
-                raise ApiError(400, f"tokens[{i}]: token id {t} is not in [0, {vocab})",
-                               param="tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
 
     return app

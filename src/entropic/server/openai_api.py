@@ -41,6 +41,7 @@ class ServerState:
     tokenizer: object
     model_name: str
     text: TokenText
+    max_model_len: int
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
