@@ -38,24 +38,33 @@ class PackedLinear(Linear):
     weight is not kept: a tied embedding keeps its own plain copy for the lookup.
 
     Batch invariance: a row's result should not depend on the other rows of its call, or a
-    request's tokens would depend on who shares its step. oneDNN keeps every row's numbers
-    for any M >= 2, but for some shapes (here in_features = 1536) its one-row kernel sums
-    in another order; for those a lone row is run as two (~6 us more per call)."""
+    request's tokens would depend on who shares its step. oneDNN picks its kernel by shape,
+    and two shape effects break that (`row_invariance` probes both once per shape):
+    - for some shapes (e.g. in_features = 1536) its one-row kernel sums in another order:
+      a lone row is then run as two (~6 us more per call);
+    - on CPUs with AMX its kernels change their blocking of K with the number of rows
+      (e.g. rows of a 576 x 1536 product differ beyond ~130 rows): calls are then cut
+      into pieces of at most `max_rows` rows, a size below the first change."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
         # batch_size=1 picks the layout for decode; it serves any batch size, bit-identically.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=1)
         self._numel = weight.numel()
-        self._pad_single_row = _single_row_kernel_differs(self.weight, bias, self.in_features)
+        self._pad_single_row, self.max_rows = row_invariance(self.weight, bias,
+                                                             self.in_features)
 
     @property
     def numel(self) -> int:
         return self._numel + (self.bias.numel() if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._pad_single_row and x.shape[0] == 1 and x.dim() == 2:
-            return _packed_mm(torch.cat((x, x)), self.weight, self.bias)[:1]
+        if x.dim() == 2:
+            if self._pad_single_row and x.shape[0] == 1:
+                return _packed_mm(torch.cat((x, x)), self.weight, self.bias)[:1]
+            cap = self.max_rows
+            if cap is not None and x.shape[0] > cap:
+                return torch.cat([self(x[i:i + cap]) for i in range(0, x.shape[0], cap)])
         return _packed_mm(x, self.weight, self.bias)
 
 
@@ -63,26 +72,59 @@ def _packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# (out_features, in_features, dtype, has bias) -> does the one-row kernel round differently
-_SINGLE_ROW_DIFFERS: dict[tuple, bool] = {}
+# (out_features, in_features, dtype, has bias, threads) -> row_invariance's answer
+_ROW_INVARIANCE: dict[tuple, tuple[bool, int | None]] = {}
+# Row counts a call is probed at on AMX CPUs, and the largest call cut to when one differs.
+_PROBE_ROWS = (2, 3, 5, 8, 16, 17, 31, 33, 48, 64, 65, 96, 127, 128, 129, 160, 192, 200, 256,
+               300, 384, 512, 768, 1024, 2048)
+_CUT_SIZES = (2048, 1024, 512, 256, 128, 64, 32, 16)
 
 
-def _single_row_kernel_differs(packed: torch.Tensor, bias: torch.Tensor | None,
-                               in_features: int, rows: int = 32) -> bool:
-    """Whether oneDNN's one-row product rounds differently from its batched one for this
-    shape; oneDNN picks its kernel by shape, not by values, so it is probed once per shape.
-    Output rounding hides most summation-order differences, so the probe's inputs span a
-    wide range of magnitudes: then a different order shows on several of `rows` rows."""
-    key = (packed.shape[0], in_features, packed.dtype, bias is not None)
-    if key not in _SINGLE_ROW_DIFFERS:
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (oneDNN then uses AMX kernels for bf16 products)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def row_invariance(packed: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+                   rows: int = 32) -> tuple[bool, int | None]:
+    """(pad a lone row to two, largest call in rows or None) that keep every row's result
+    independent of the other rows of its call, for this shape on this CPU.
+
+    oneDNN picks its kernel by shape, not by values, so a shape is probed once. Output
+    rounding hides most summation-order differences, so the probe's inputs span a wide
+    range of magnitudes: then a different order shows on several of `rows` rows. The
+    many-row probe runs for bf16 on AMX CPUs only (elsewhere, and in fp32, oneDNN keeps rows
+    for any count >= 2, measured up to 2048);
+    it tiles the same `rows` rows to each probed count and compares them with one call."""
+    key = (packed.shape[0], in_features, packed.dtype, bias is not None,
+           torch.get_num_threads())
+    if key not in _ROW_INVARIANCE:
         gen = torch.Generator().manual_seed(0)
         scale = torch.exp2(torch.randint(-8, 9, (rows, in_features), generator=gen).float())
         x = (torch.randn(rows, in_features, generator=gen) * scale).to(packed.dtype)
         batched = _packed_mm(x, packed, bias)
-        _SINGLE_ROW_DIFFERS[key] = any(
-            not torch.equal(_packed_mm(x[r:r + 1].clone(), packed, bias)[0], batched[r])
-            for r in range(rows))
-    return _SINGLE_ROW_DIFFERS[key]
+        pad = any(not torch.equal(_packed_mm(x[r:r + 1].clone(), packed, bias)[0], batched[r])
+                  for r in range(rows))
+        cap = None
+        if packed.dtype == torch.bfloat16 and has_amx():  # AMX kernels are bf16 (and int8)
+            first_bad = next((m for m in _PROBE_ROWS if not torch.equal(
+                _packed_mm(_tile(x, m), packed, bias), _tile(batched, m))), None)
+            if first_bad is not None:
+                cap = next((c for c in _CUT_SIZES if c < first_bad), 1)
+        _ROW_INVARIANCE[key] = (pad, cap)
+    return _ROW_INVARIANCE[key]
+
+
+def _tile(x: torch.Tensor, m: int) -> torch.Tensor:
+    """The rows of x repeated to m rows."""
+    return x.repeat(-(-m // x.shape[0]), 1)[:m].contiguous()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
