@@ -10,19 +10,22 @@ import pytest
 
 from entropic.outputs import RequestOutput
 from entropic.sampling_params import SamplingParams
-from entropic.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from entropic.server.async_engine import (AsyncEngine, EngineDeadError, QueueFullError,
+                                          RequestFailedError)
 
 
 class FakeEngine:
     """One token per unfinished request per step; a step can be made to block or fail."""
 
-    def __init__(self, max_num_seqs: int = 4, fail_at_step: int | None = None) -> None:
+    def __init__(self, max_num_seqs: int = 4, fail_at_step: int | None = None,
+                 fail_request: str | None = None) -> None:
         self.config = SimpleNamespace(max_num_seqs=max_num_seqs)
         self.num_blocks = 100
         self.reqs: dict[str, list] = {}  # id -> [prompt, params, tokens]
         self.aborted: list[str] = []
         self.batch_sizes: list[int] = []
         self.fail_at_step = fail_at_step
+        self.fail_request = fail_request  # finishes with finish_reason "error" at its 2nd token
         self.gate = threading.Event()
         self.gate.set()
         self.stats = SimpleNamespace(steps=0)
@@ -57,18 +60,20 @@ class FakeEngine:
         outs = []
         for rid, (prompt, params, toks) in list(self.reqs.items()):
             toks.append(len(toks))
-            done = len(toks) >= params.max_tokens
+            failed = rid == self.fail_request and len(toks) == 2
+            done = failed or len(toks) >= params.max_tokens
             if done:
                 del self.reqs[rid]
                 self.pool.num_used -= 1
+            reason = "error" if failed else "length" if done else None
             outs.append(RequestOutput(rid, None, prompt, token_ids=list(toks), finished=done,
-                                      finish_reason="length" if done else None,
-                                      new_token_ids=toks[-1:]))
+                                      finish_reason=reason, new_token_ids=toks[-1:],
+                                      error="ValueError: bad state" if failed else None))
         return outs
 
 
-def _run(coro_fn, engine: FakeEngine, max_waiting: int = 4):
-    ae = AsyncEngine(engine, max_waiting)
+def _run(coro_fn, engine: FakeEngine, max_waiting: int = 4, on_fatal=None):
+    ae = AsyncEngine(engine, max_waiting, on_fatal=on_fatal)
     ae.start()
     try:
         return asyncio.run(coro_fn(ae)), ae
@@ -135,8 +140,26 @@ def test_full_server_refuses_at_once():
     _run(go, eng, max_waiting=1)
 
 
+def test_a_failed_request_fails_alone():
+    eng = FakeEngine(fail_request="bad")
+
+    async def go(ae):
+        bad = ae.submit("bad", [1], SamplingParams(max_tokens=5))
+        good = ae.submit("good", [1], SamplingParams(max_tokens=5))
+        with pytest.raises(RequestFailedError, match="bad state"):
+            await _collect(bad)
+        outs = await _collect(good)
+        late = await _collect(ae.submit("late", [1], SamplingParams(max_tokens=2)))
+        return outs, late, ae.alive, ae.num_in_flight
+
+    (outs, late, alive, in_flight), _ = _run(go, eng)
+    assert len(outs[-1].token_ids) == 5 and len(late[-1].token_ids) == 2
+    assert alive and in_flight == 0 and eng.pool.num_used == 0
+
+
 def test_engine_failure_fails_requests_and_later_submits():
     eng = FakeEngine(fail_at_step=2)
+    fatal = []
 
     async def go(ae):
         s = ae.submit("r", [1], SamplingParams(max_tokens=10))
@@ -147,8 +170,9 @@ def test_engine_failure_fails_requests_and_later_submits():
             ae.submit("late", [1], SamplingParams(max_tokens=1))
         return ae.num_in_flight
 
-    in_flight, _ = _run(go, eng)
+    in_flight, ae = _run(go, eng, on_fatal=fatal.append)
     assert in_flight == 0
+    assert [str(e) for e in fatal] == ["boom"] and str(ae.error) == "boom"
 
 
 def test_stop_aborts_what_is_still_held():

@@ -171,3 +171,46 @@ def test_cost_tau_and_thermostat_on_outputs(llm_bf16):
     spent = eng.stats.cost.flops - before
     assert spent == pytest.approx(ref.cost.flops + sum(o.cost.flops for o in outs), rel=1e-9)
     assert eng.stats.tau > 0 and eng.stats.tau_per_tflop > 0
+
+
+class _FailOn:
+    """A sampler-chain element that raises whenever the batch holds a request whose
+    max_tokens is `marker` and which has `after` output tokens (a bug in one request)."""
+
+    def __init__(self, marker: int, after: int) -> None:
+        self.marker, self.after = marker, after
+
+    def apply(self, logits, temperatures, batch):
+        for p, n in zip(batch.params, batch.num_output_tokens):
+            if p.max_tokens == self.marker and n == self.after:
+                raise FloatingPointError("injected fault")
+        return logits, temperatures
+
+    def accept(self, token_ids, batch):
+        pass
+
+    def release(self, request_ids):
+        pass
+
+
+def test_a_request_that_fails_fails_alone(llm_bf16):
+    """A fault in one request's work finishes that request with finish_reason "error" and
+    frees its blocks; the requests batched with it get the tokens they get without it."""
+    convs = [[{"role": "user", "content": f"Name {i} animals."}] for i in range(1, 4)]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm_bf16.chat(convs, plain)
+    procs = llm_bf16.engine.runner.sampler.processors
+    procs.append(_FailOn(marker=11, after=3))
+    failed_before = llm_bf16.engine.stats.failed
+    try:
+        victim = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+        outs = llm_bf16.chat(convs[:1] + [CHAT] + convs[1:], [plain, victim, plain, plain])
+    finally:
+        procs.pop()
+    bad = outs[1]
+    assert bad.finish_reason == "error" and "injected fault" in bad.error
+    assert len(bad.token_ids) == 3
+    assert [o.token_ids for o in outs[:1] + outs[2:]] == [o.token_ids for o in alone]
+    assert all(o.finish_reason == "length" for o in outs[:1] + outs[2:])
+    assert llm_bf16.engine.stats.failed == failed_before + 1
+    assert _no_blocks_held(llm_bf16)

@@ -37,6 +37,15 @@ def test_greedy_is_argmax():
     assert out.token_ids.tolist() == [1, 0]
 
 
+def test_underflowing_temperature_samples_greedily():
+    """logits / 1e-39 overflows fp32 (NaN probabilities, token 0 every time): such
+    temperatures take the greedy path and report temperature 0."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [5.0, 0.0, 0.0, 6.0]])
+    for t in (1e-39, 1e-45, 5e-6):
+        out = Sampler()(logits.clone(), batch([SamplingParams(temperature=t, seed=3)] * 2))
+        assert out.token_ids.tolist() == [1, 3] and out.temperatures.tolist() == [0.0, 0.0]
+
+
 def test_temperature_matches_tempered_softmax():
     T = 0.5
     f = frequencies(SamplingParams(temperature=T), P4.log())

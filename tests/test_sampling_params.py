@@ -16,6 +16,9 @@ from entropic.sampling_params import SamplingParams
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
 ])
 def test_bad_values_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -35,3 +38,14 @@ def test_wrong_types_name_the_field(kw, field):
 def test_defaults_and_normalisation():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert p.stop == ["###"] and p.top_k == 0 and p.greedy
+
+
+def test_seed_range_is_what_the_generator_takes():
+    import torch
+    for seed in (-(2**63), -1, 0, 2**64 - 1):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+
+
+def test_tiny_temperatures_are_greedy():
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-39).greedy
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -112,9 +112,22 @@ def test_off_is_bit_identical_and_seeded_runs_reproduce():
 def test_params_validation():
     for kw, field in [({"eta": 0}, "eta"), ({"t_min": 0}, "t_min"),
                       ({"t_min": 2, "t_max": 1}, "t_max"), ({"mode": "x"}, "mode"),
-                      ({"h_min": -1}, "h_min"), ({"target_entropy": -1}, "target_entropy")]:
+                      ({"h_min": -1}, "h_min"), ({"target_entropy": -1}, "target_entropy"),
+                      ({"eta": 1e308}, "eta"), ({"target_entropy": 1e300}, "target_entropy"),
+                      ({"mode": "follow", "h_min": 1e300}, "h_min"), ({"t_min": 1e-39}, "t_min"),
+                      ({"t_max": 1e9}, "t_max")]:
         with pytest.raises(ValueError, match=field):
             ThermostatParams(**kw)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=0, thermostat=ThermostatParams())
     assert SamplingParams(thermostat={"target_entropy": 1.0}).thermostat.target_entropy == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-3, 1e3), st.floats(0.0, 1e300), st.floats(0.0, 1e3), st.floats(1e-300, 1e308),
+       st.sampled_from(["stabilize", "follow"]))
+def test_law_never_overflows(t, h, target, eta, mode):
+    """Whatever the inputs, one step of the law is a finite temperature within its bounds
+    (its exponent is clipped; math.exp would otherwise overflow)."""
+    t_next = next_temperature(t, h, target, eta, 1e-3, 1e3, mode)
+    assert math.isfinite(t_next) and 1e-3 <= t_next <= 1e3

@@ -90,7 +90,7 @@ class RequestOutput:
     temperatures: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, score of token 1, ...]
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: str | int | None = None
     finished: bool = False
     text_delta: str = ""
@@ -98,3 +98,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     cost: Cost | None = None
     entropic: EntropicReading | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")

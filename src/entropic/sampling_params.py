@@ -4,6 +4,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Ranges the engine can execute. A seed seeds torch's generator, which takes any value of
+# 64 bits, signed or unsigned. Temperatures below GREEDY_BELOW make fp32 logits / T overflow
+# long before they would change the answer, so they sample greedily. The thermostat's
+# bounds keep every exp/log of its law finite (and its exponent is clipped as well).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+GREEDY_BELOW = 1e-5
+THERMOSTAT_T_RANGE = (1e-3, 1e3)
+THERMOSTAT_MAX_ETA = 1e3
+THERMOSTAT_MAX_ENTROPY = 1e3  # nats; a vocabulary of |V| tokens has at most log |V| (~12)
+
 
 @dataclass(frozen=True)
 class ThermostatParams:
@@ -26,15 +36,22 @@ class ThermostatParams:
     def __post_init__(self) -> None:
         for name in ("target_entropy", "eta", "t_min", "t_max", "h_min"):
             _check_num(f"thermostat.{name}", getattr(self, name))
-        if self.target_entropy < 0:
-            raise ValueError(f"thermostat.target_entropy must be >= 0, got {self.target_entropy}")
-        if self.eta <= 0:
-            raise ValueError(f"thermostat.eta must be > 0, got {self.eta}")
-        if not 0 < self.t_min <= self.t_max:
-            raise ValueError(f"thermostat: need 0 < t_min <= t_max, got t_min={self.t_min}, "
+        for name in ("target_entropy", "h_min"):
+            v = getattr(self, name)
+            if not 0 <= v <= THERMOSTAT_MAX_ENTROPY:
+                raise ValueError(f"thermostat.{name} must be in [0, {THERMOSTAT_MAX_ENTROPY:g}] "
+                                 f"nats, got {v}")
+        if not 0 < self.eta <= THERMOSTAT_MAX_ETA:
+            raise ValueError(f"thermostat.eta must be in (0, {THERMOSTAT_MAX_ETA:g}], "
+                             f"got {self.eta}")
+        lo, hi = THERMOSTAT_T_RANGE
+        for name in ("t_min", "t_max"):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise ValueError(f"thermostat.{name} must be in [{lo:g}, {hi:g}], got {v}")
+        if self.t_min > self.t_max:
+            raise ValueError(f"thermostat.t_min: need t_min <= t_max, got t_min={self.t_min}, "
                              f"t_max={self.t_max}")
-        if self.h_min < 0:
-            raise ValueError(f"thermostat.h_min must be >= 0, got {self.h_min}")
         if self.mode not in ("stabilize", "follow"):
             raise ValueError(f"thermostat.mode must be 'stabilize' or 'follow', got {self.mode!r}")
 
@@ -43,7 +60,9 @@ class ThermostatParams:
 class SamplingParams:
     """How one request is decoded.
 
-    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
+    temperature 0 means greedy; so does any temperature below GREEDY_BELOW (1e-5), where
+    fp32 logits / T would overflow (the `greedy` property; `temperature` keeps the value
+    given). top_k 0 (or -1) disables top-k; top_p 1 and min_p 0 disable
     those filters. `seed` makes sampling reproducible whatever else runs in the batch.
     `logprobs=n` returns the chosen token's log-probability and the n most likely
     alternatives at every step (under the model's temperature-1 distribution).
@@ -92,13 +111,16 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (64 bits, signed or "
+                                 f"unsigned), got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+            if not 0 <= t < 2**63:
+                raise ValueError(f"stop_token_ids must be in [0, 2**63), got {t}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
@@ -118,7 +140,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Sampled by argmax: temperature 0, or one too small to divide logits by."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _check_int(name: str, value: object) -> None:

@@ -29,11 +29,19 @@ from entropic.sampling.sampler import SamplingBatch
 _exact = ExactEntropy()
 
 
+# |eta * err| beyond this moves T by more than e^30 in one step: clipping the exponent there
+# changes nothing a [T_min, T_max] clip would not, and keeps exp() finite for any input.
+MAX_EXPONENT = 30.0
+
+
 def next_temperature(t: float, h: float, target: float, eta: float, t_min: float,
                      t_max: float, mode: str) -> float:
     """One step of the control law (h already floored)."""
     err = (target - h) if mode == "stabilize" else (h - target)
-    return min(t_max, max(t_min, t * math.exp(eta * err)))
+    x = eta * err
+    if not -MAX_EXPONENT <= x <= MAX_EXPONENT:  # also catches NaN (an inf * 0 product)
+        x = MAX_EXPONENT if x > 0 else -MAX_EXPONENT if x < 0 else 0.0
+    return min(t_max, max(t_min, t * math.exp(x)))
 
 
 class Thermostat:

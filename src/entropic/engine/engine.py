@@ -1,6 +1,7 @@
 """The engine loop: one step is schedule(), execute(), update()."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
@@ -21,6 +22,8 @@ from entropic.model.llama import LlamaModel
 from entropic.outputs import EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
 from entropic.sampling_params import SamplingParams
+
+log = logging.getLogger("entropic.engine")
 
 
 class TokenObserver(Protocol):
@@ -48,6 +51,7 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
+    failed: int = 0  # requests the engine failed alone (finish_reason "error")
     cost: Cost = field(default_factory=Cost)
     tau: float = 0.0  # engine-wide entropic time, when a clock observes the engine
     # decode steps under a block policy: blocks they could attend (live) and did attend
@@ -157,7 +161,7 @@ class LLMEngine:
         self.stats.aborted += 1
         req.metrics.finished_time = time.perf_counter()
         det = self._detok.pop(request_id)
-        out = self._output(req, det, [], "")
+        out = self._output(req, det.text, [], "")
         self._release([request_id])
         return out
 
@@ -176,7 +180,12 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return an output for every request that got a token."""
+        """Run one engine step; return an output for every request that got a token.
+
+        A request whose own work raises (its chunk in the model runner or sampler, its
+        block observation, its detokenization) finishes with finish_reason "error" and
+        its blocks freed; the other requests of the step go on. An exception in the
+        scheduler itself is an engine bug and propagates."""
         sched: SchedulerOutput = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.execute(sched)  # still releases finished requests' sampler state
@@ -186,60 +195,130 @@ class LLMEngine:
             m = self.scheduler.requests[c.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result: ModelOutput = self.runner.execute(sched)
+        result, failed = self._execute(sched)
+        outputs = [self._fail(rid, e) for rid, e in failed.items()]
+        if failed:
+            sched.chunks = [c for c in sched.chunks if c.request_id not in failed]
         done = time.perf_counter()
         self._account(sched, done - now)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores)
         if self.block_policy is not None:
-            self._observe_blocks(sched, result)
+            outputs += self._observe_blocks(sched, result)
         self.stats.steps += 1
         self.stats.computed_tokens += result.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
-        outputs = []
-        obs = self.observer
         for req in touched:
-            self.stats.generated_tokens += 1
-            if obs is not None:
-                obs.observe(req.request_id, req.entropies[-1])
-            det = self._detok[req.request_id]
-            new = req.token_ids[-1:]
-            delta, stop_str = det.add(new)
-            if stop_str is not None and not req.status.finished:
-                req.stop_reason = stop_str
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            if req.status.finished:
-                req.metrics.finished_time = done
-                self.stats.finished += 1
-                del self._detok[req.request_id]
-            outputs.append(self._output(req, det, new, delta))
-            if req.status.finished:
-                self._release([req.request_id])
-        if obs is not None:
-            self.stats.tau = obs.tau_total
+            if req.request_id not in self._detok:
+                continue  # failed above, after update handed it a token
+            try:
+                outputs.append(self._emit(req, done))
+            except Exception as e:
+                outputs.append(self._fail(req.request_id, e, req))
+        if self.observer is not None:
+            self.stats.tau = self.observer.tau_total
         return outputs
 
-    def _observe_blocks(self, sched: SchedulerOutput, result: ModelOutput) -> None:
-        """Feed the block policy each chunk's token surprisals and attention mass."""
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelOutput, dict[str, Exception]]:
+        """Run the step's chunks. If the batch raises, run each chunk alone, so that only
+        the requests whose own chunk raises are lost. Re-running a chunk rewrites the same
+        KV slots with the same values; scheduler state is untouched until update()."""
+        try:
+            return self.runner.execute(sched), {}
+        except Exception as batch_error:
+            if len(sched.chunks) == 1:
+                return ModelOutput({}, 0), {sched.chunks[0].request_id: batch_error}
+            log.warning("step %d failed with %s; running its %d requests one by one",
+                        sched.step, type(batch_error).__name__, len(sched.chunks))
+        merged, failed = ModelOutput({}, 0), {}
+        for c in sched.chunks:
+            try:
+                r = self.runner.execute(SchedulerOutput(step=sched.step, chunks=[c]))
+            except Exception as e:
+                failed[c.request_id] = e
+                continue
+            merged.sampled.update(r.sampled)
+            merged.num_tokens += r.num_tokens
+            merged.prompt_scores.update(r.prompt_scores)
+            merged.block_mass.update(r.block_mass)
+        return merged, failed
+
+    def _emit(self, req: Request, done: float) -> RequestOutput:
+        """Observe, detokenize and apply stop strings to the token `req` just got."""
+        self.stats.generated_tokens += 1
+        if self.observer is not None:
+            self.observer.observe(req.request_id, req.entropies[-1])
+        det = self._detok[req.request_id]
+        new = req.token_ids[-1:]
+        delta, stop_str = det.add(new)
+        if stop_str is not None and not req.status.finished:
+            req.stop_reason = stop_str
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            req.metrics.finished_time = done
+            self.stats.finished += 1
+            del self._detok[req.request_id]
+        out = self._output(req, det.text, new, delta)
+        if req.status.finished:
+            self._release([req.request_id])
+        return out
+
+    def _fail(self, request_id: str, error: Exception, req: Request | None = None
+              ) -> RequestOutput:
+        """Finish one request with finish_reason "error" (blocks freed, state released)."""
+        log.error("request %s failed: %s: %s", request_id, type(error).__name__, error,
+                  exc_info=error)
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR) or req
+        req.status = RequestStatus.FINISHED_ERROR
+        req.error = f"{type(error).__name__}: {error}"
+        req.metrics.finished_time = time.perf_counter()
+        self.stats.failed += 1
+        det = self._detok.pop(request_id, None)
+        text = det.text if det is not None else ""
+        try:
+            out = self._output(req, text, [], "")
+        except Exception:  # e.g. the observer's reading is what failed: report without it
+            out = RequestOutput(request_id, req.prompt, req.prompt_token_ids, text,
+                                req.output_token_ids, finish_reason=req.status.value,
+                                finished=True, metrics=req.metrics, error=req.error)
+        try:
+            self._release([request_id])
+        except Exception:
+            log.exception("releasing the hooks' state of failed request %s", request_id)
+        return out
+
+    def _observe_blocks(self, sched: SchedulerOutput, result: ModelOutput
+                        ) -> list[RequestOutput]:
+        """Feed the block policy each chunk's token surprisals and attention mass; fail the
+        requests whose observation raises (their outputs are returned)."""
+        failed = []
         for c in sched.chunks:
             req = self.scheduler.requests.get(c.request_id)
             if req is None:
                 continue  # finished or aborted: the policy has released it
-            positions, surprisal = [], []
-            ps = result.prompt_scores.get(c.request_id)
-            if ps is not None:
-                positions += range(c.start_pos + 1, c.start_pos + 1 + len(ps.logprobs))
-                surprisal += [-lp for lp in ps.logprobs]
-            st = result.sampled.get(c.request_id)
-            if st is not None and st.logprob is not None:
-                positions.append(c.start_pos + c.num_tokens)
-                surprisal.append(-st.logprob)
-            mass = result.block_mass.get(c.request_id)
-            attended = None
-            if mass is not None:
-                attended = (c.attend_blocks if c.attend_blocks is not None
-                            else list(range(len(mass))))
-            self.block_policy.observe(req, positions, surprisal, attended, mass)
+            try:
+                self._observe_chunk(c, req, result)
+            except Exception as e:
+                failed.append(self._fail(c.request_id, e, req))
         self.stats.blocks_evicted = self.scheduler.num_evicted_blocks
+        return failed
+
+    def _observe_chunk(self, c: ScheduledChunk, req: Request, result: ModelOutput) -> None:
+        """One chunk's surprisals (prompt scores, sampled token) and attention mass."""
+        positions, surprisal = [], []
+        ps = result.prompt_scores.get(c.request_id)
+        if ps is not None:
+            positions += range(c.start_pos + 1, c.start_pos + 1 + len(ps.logprobs))
+            surprisal += [-lp for lp in ps.logprobs]
+        st = result.sampled.get(c.request_id)
+        if st is not None and st.logprob is not None:
+            positions.append(c.start_pos + c.num_tokens)
+            surprisal.append(-st.logprob)
+        mass = result.block_mass.get(c.request_id)
+        attended = None
+        if mass is not None:
+            attended = (c.attend_blocks if c.attend_blocks is not None
+                        else list(range(len(mass))))
+        self.block_policy.observe(req, positions, surprisal, attended, mass)
 
     def _work(self, c: ScheduledChunk) -> ChunkWork:
         """What a chunk computed: dense causal attention, or a decode over chosen blocks."""
@@ -263,14 +342,14 @@ class LLMEngine:
             self.scheduler.requests[rid].cost.add(cost)
             self.stats.cost.add(cost)
 
-    def _output(self, req: Request, det: IncrementalDetokenizer, new: list[int],
+    def _output(self, req: Request, text: str, new: list[int],
                 delta: str) -> RequestOutput:
         finished = req.status.finished
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
-            text=det.text,
+            text=text,
             token_ids=req.output_token_ids,
             entropies=list(req.entropies),
             temperatures=list(req.temperatures),
@@ -286,6 +365,7 @@ class LLMEngine:
             cost=replace(req.cost),
             entropic=(self.observer.reading(req.request_id, req.cost)
                       if self.observer is not None else None),
+            error=req.error,
         )
 
     @torch.inference_mode()

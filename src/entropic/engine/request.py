@@ -17,11 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed on this request alone (see Request.error)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -52,6 +53,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # set with FINISHED_ERROR
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
         self.outputs_at_admission = 0  # output tokens it had when last admitted
         self.admitted_step = 0  # scheduler step of its last admission

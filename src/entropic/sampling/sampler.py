@@ -8,7 +8,7 @@ Order of operations on one step's logits [S, V] (fp32):
 3. temperature, then top-k, top-p, min-p truncate the tempered distribution;
 4. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
    cumsum, and with a per-request generator the draw depends only on that request's seed.
-Greedy rows (temperature 0) take argmax of the raw logits.
+Greedy rows (temperature 0, or below GREEDY_BELOW) take argmax of the raw logits.
 """
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ class Sampler:
             entropies = entropy_from_logprobs(logp)
         batch.entropies = entropies
         params = batch.params
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params],
+                             dtype=torch.float32, device=dev)
         for proc in self.processors:
             logits, temps = proc.apply(logits, temps, batch)
 

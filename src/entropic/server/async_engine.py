@@ -29,7 +29,12 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed or was stopped (HTTP 500/503)."""
+    """The engine thread failed or was stopped (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (finish_reason "error"); it goes on serving the
+    others (HTTP 500 for this request only)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class _Abort:
 _STOP = object()
 
 StepHook = Callable[[LLMEngine, list[RequestOutput]], None]
+FatalHook = Callable[[BaseException], None]
 
 
 class AsyncEngine:
@@ -74,10 +80,12 @@ class AsyncEngine:
 
     At most `max_num_seqs + max_waiting` requests are held at once (running in the engine,
     waiting in it, or on their way in); one more gets QueueFullError. `on_step` (optional)
-    is called on the engine thread after every step with that step's outputs (metrics)."""
+    is called on the engine thread after every step with that step's outputs (metrics);
+    `on_fatal` (optional) once, on the engine thread, if the loop itself dies (a bug outside
+    any one request): the server uses it to exit non-zero so that a supervisor restarts it."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256,
-                 on_step: StepHook | None = None) -> None:
+                 on_step: StepHook | None = None, on_fatal: FatalHook | None = None) -> None:
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine = engine
@@ -85,6 +93,7 @@ class AsyncEngine:
         self.num_in_flight = 0  # touched on the event loop only
         self.snapshot = EngineSnapshot(kv_blocks_total=engine.num_blocks)
         self._on_step = on_step
+        self._on_fatal = on_fatal
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: BaseException | None = None
@@ -103,6 +112,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine loop, if it died."""
+        return self._error
 
     # ---- the request side (event loop) --------------------------------------------------
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
@@ -160,13 +174,15 @@ class AsyncEngine:
                     except Exception:  # a metrics bug must not stop serving
                         log.exception("on_step hook failed")
                 self._publish()
-        except BaseException as e:  # a bug in a step: fail every held request, loudly
+        except BaseException as e:  # a bug outside any one request: fail all, loudly
             log.exception("engine loop failed")
             self._error = e
             err = EngineDeadError(f"engine failure: {type(e).__name__}: {e}")
             for rid in list(self._sinks):
                 self._send(rid, err)
                 self._sinks.pop(rid, None)
+            if self._on_fatal is not None:
+                self._on_fatal(e)
             return
         for rid in list(self._sinks):  # stopped: nobody will step these any more
             eng.abort_request(rid)
@@ -181,6 +197,11 @@ class AsyncEngine:
             except (ValueError, TypeError) as e:
                 _post((c.loop, c.sink), e)
                 return
+            except Exception as e:  # not the request's fault, but it alone is lost
+                log.exception("adding request %s failed", c.request_id)
+                _post((c.loop, c.sink), RequestFailedError(
+                    f"the engine could not add this request: {type(e).__name__}: {e}"))
+                return
             self._sinks[c.request_id] = (c.loop, c.sink)
         elif isinstance(c, _Abort):
             # The client is gone: nobody reads the abort output.
@@ -193,7 +214,10 @@ class AsyncEngine:
         else:
             target = self._sinks.get(out.request_id)
         if target is not None:
-            _post(target, out)
+            if out.finish_reason == "error":
+                _post(target, RequestFailedError(f"the engine failed this request: {out.error}"))
+            else:
+                _post(target, out)
 
     def _send(self, rid: str, item) -> None:
         target = self._sinks.get(rid)

@@ -6,7 +6,10 @@ Kept apart from cli.py so that the shared CLI file only gains a few lines, and s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+API_KEY_ENV = "ENTROPIC_API_KEY"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -25,7 +28,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: local clients only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+                        f"(visible in `ps`: prefer ${API_KEY_ENV} or --api-key-file)")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (its first line)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="put /metrics and /health behind the API key too (default: open, "
+                        "for probes and scrapers)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs and /openapi.json (behind the API key when one is set)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="reject larger request bodies with 413 (default: 128 bytes per "
+                        "token of context, at least 1 MiB)")
+    p.add_argument("--timeout-header", type=float, default=10.0,
+                   help="close connections that take longer to send request headers (s)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="close idle keep-alive connections after this many seconds")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests held beyond --max-num-seqs before answering 429 (default 256)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="running batch size (slots)")
@@ -46,15 +64,47 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    choices=("critical", "error", "warning", "info", "debug"))
 
 
+def api_key_from(args: argparse.Namespace, environ=os.environ) -> str | None:
+    """The key from --api-key, --api-key-file or $ENTROPIC_API_KEY (at most one of them);
+    None when none is given. An empty key is an error, never "no auth"."""
+    given = [(name, v) for name, v in (("--api-key", args.api_key),
+                                       ("--api-key-file", args.api_key_file),
+                                       (f"${API_KEY_ENV}", environ.get(API_KEY_ENV)))
+             if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"api key: give one of {', '.join(n for n, _ in given)}, not several")
+    name, value = given[0]
+    if name == "--api-key-file":
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.readline()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {value!r}: {e.strerror}") from None
+    value = value.strip()
+    if not value:
+        raise ValueError(f"{name}: the API key is empty; omit it to serve without a key")
+    return value
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Load the model, then serve until interrupted."""
+    """Load the model, then serve until interrupted. Exits 1 if the engine loop dies, so a
+    supervisor restarts the server instead of it answering 503 for ever."""
+    import asyncio
+
     import torch
     import uvicorn
 
     from entropic import LLM
     from entropic.control.pruning import PruningConfig
-    from entropic.server.app import build_app
+    from entropic.server.app import ServerOptions, build_app
+    from entropic.server.transport import header_timeout_protocol
 
+    options = ServerOptions(model_name=args.served_model_name, api_key=api_key_from(args),
+                            max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                            protect_metrics=args.protect_metrics, enable_docs=args.enable_docs)
+    protocol = header_timeout_protocol(args.timeout_header)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
@@ -67,7 +117,28 @@ def serve(args: argparse.Namespace) -> int:
               scheduling=args.scheduling,
               pruning=PruningConfig() if args.pruning else None)
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
-    app = build_app(llm, args.served_model_name, args.api_key, args.max_waiting)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def on_fatal(e: BaseException) -> None:  # on the engine thread
+        failed.append(e)
+        print(f"error: the engine loop died ({type(e).__name__}: {e}); shutting down",
+              file=sys.stderr, flush=True)
+        if loop is not None and server is not None:
+            loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    app = build_app(llm, options, on_fatal=on_fatal)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=protocol, timeout_keep_alive=args.timeout_keep_alive,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        await server.serve()
+
+    asyncio.run(main())
+    return 1 if failed else 0

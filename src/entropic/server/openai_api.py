@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from entropic.outputs import RequestOutput
 from entropic.sampling_params import SamplingParams
@@ -29,6 +31,7 @@ from entropic.server.responses import (TokenText, chat_logprob_entries, completi
                                        entropic_block, usage)
 
 DISCONNECT_POLL_S = 0.5
+log = logging.getLogger("entropic.server")
 
 router = APIRouter()
 
@@ -61,12 +64,17 @@ def _check_common(state: ServerState, body: _SamplingFields) -> None:
         raise ApiError(400, bad[1], param=bad[0])
 
 
-def _build(state: ServerState, prompt, make_params: Callable[[], SamplingParams]
-           ) -> tuple[list[int], SamplingParams]:
-    """SamplingParams and the engine's own validation; their errors become 400s."""
-    try:
+async def _build(state: ServerState, prompt, make_params: Callable[[], SamplingParams]
+                 ) -> tuple[list[int], SamplingParams]:
+    """SamplingParams and the engine's own validation (which tokenizes a text prompt); their
+    errors become 400s. In a worker thread: a long prompt takes the tokenizer a while, and
+    the event loop serves every other client's stream meanwhile."""
+    def build():
         params = make_params()
         return state.engine.validate(prompt, params), params
+
+    try:
+        return await run_in_threadpool(build)
     except (ValueError, TypeError) as e:
         raise bad_request(e) from None
 
@@ -116,9 +124,11 @@ async def _guarded(chunks: AsyncIterator[str], stream: RequestStream) -> AsyncIt
     try:
         async for c in chunks:
             yield c
-    except (ValueError, TypeError, RuntimeError) as e:
-        yield _sse(error_body(str(e), "server_error" if isinstance(e, RuntimeError)
-                              else "invalid_request_error"))
+    except Exception as e:  # the request failed (or a bug in shaping it): say so in-band
+        if not isinstance(e, (ValueError, TypeError, RuntimeError)):
+            log.exception("stream of %s failed", stream.request_id)
+        bad_input = isinstance(e, (ValueError, TypeError))
+        yield _sse(error_body(str(e), "invalid_request_error" if bad_input else "server_error"))
         yield "data: [DONE]\n\n"
     finally:
         stream.close()
@@ -150,7 +160,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                             "to score the prompt)", param="max_tokens")
     lp = body.logprobs
     # Scoring only (echo, max_tokens 0): the engine samples one token, which is dropped.
-    ids, params = _build(state, prompt, lambda: body.sampling_params(
+    ids, params = await _build(state, prompt, lambda: body.sampling_params(
         max(max_tokens, 1), lp, prompt_logprobs=lp if body.echo and lp is not None else None))
     rid = f"cmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, ids, params)
@@ -234,8 +244,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = _state(request)
     _check_common(state, body)
     try:
-        ids = state.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                  body.add_generation_prompt)
+        ids = await run_in_threadpool(state.tokenizer.apply_chat_template,
+                                      [m.as_template_dict() for m in body.messages],
+                                      body.add_generation_prompt)
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     eng = state.engine.engine
@@ -245,7 +256,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         room = min(eng.max_model_len, eng.num_blocks * eng.config.block_size) - len(ids)
         max_tokens = max(room, 1)
     lp = (body.top_logprobs or 0) if body.logprobs else None
-    ids, params = _build(state, ids, lambda: body.sampling_params(max_tokens, lp))
+    ids, params = await _build(state, ids, lambda: body.sampling_params(max_tokens, lp))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.engine.submit(rid, ids, params)
     job = _Chat(state, body, rid, len(ids))

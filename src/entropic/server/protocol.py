@@ -7,12 +7,27 @@ so that clients sending fields we do not model still work.
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat,
+                      StrictInt, StrictStr)
 
 from entropic.sampling_params import SamplingParams, ThermostatParams
 
+
+
+def _encodable(s: str) -> str:
+    """JSON's \\uD800-style escapes can carry lone UTF-16 surrogates, which are not text: no
+    tokenizer (nor UTF-8) can encode them. Reject them here, where the field is known."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a lone UTF-16 surrogate (U+{ord(s[e.start]):04X}) at character "
+                         f"{e.start} is not valid text") from None
+    return s
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 TokenIds = list[StrictInt]
 
 
@@ -47,10 +62,10 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
+    model: Text | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     seed: StrictInt | None = None
     n: StrictInt | None = None
     stream: StrictBool = False
@@ -58,7 +73,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     logit_bias: dict[str, StrictFloat] | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     # extensions (vLLM names)
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = None
@@ -113,12 +128,12 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. One prompt per request: text, or a list of token ids (a
     one-element list of either is accepted too)."""
 
-    prompt: Union[StrictStr, TokenIds, list[StrictStr], list[TokenIds]]
+    prompt: Union[Text, TokenIds, list[Text], list[TokenIds]]
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, or ValueError for a batch (not supported: one per request)."""
@@ -144,14 +159,14 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: StrictStr
-    content: StrictStr | list[ContentPart] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
     def as_template_dict(self) -> dict:
         c = self.content
@@ -183,8 +198,8 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
 
@@ -194,7 +209,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr | None = None
+    model: Text | None = None
     tokens: TokenIds
 
 
@@ -205,5 +220,7 @@ ChatCompletionRequest.model_rebuild()
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
-    """An OpenAI-style error object."""
+    """An OpenAI-style error object. A message quoting bad input may hold lone surrogates,
+    which no JSON encoder writes as UTF-8: they are shown as escapes."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
