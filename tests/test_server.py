@@ -266,6 +266,29 @@ def test_api_key_required(server, model_name, headers):
     assert err["type"] == "authentication_error"
     assert _post(server, "/tokenize", {"prompt": "hi"}, headers=headers).status_code == 401
     assert httpx.get(server + "/health").status_code == 200  # probes stay open
+    assert httpx.get(server + "/metrics").status_code == 200
+
+
+def test_schema_is_not_served_by_default(server):
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(server + path, headers=_auth()).status_code == 404
+
+
+def test_body_over_the_limit_is_413(server, model_name):
+    """The default limit is sized to the context: 128 bytes per token, at least 1 MiB."""
+    body = {"model": model_name, "prompt": "a " * (1 << 20), "max_tokens": 1}
+    err = _assert_error(_post(server, "/v1/completions", body), 413, None, "limit of")
+    assert err["code"] == "body_too_large"
+    data = json.dumps(body).encode()
+
+    def chunked():  # no Content-Length: the limit trips while the body is read
+        for i in range(0, len(data), 1 << 16):
+            yield data[i:i + (1 << 16)]
+
+    r = httpx.post(server + "/v1/completions", content=chunked(), timeout=30,
+                   headers={"Content-Type": "application/json", **_auth()})
+    assert _assert_error(r, 413)["code"] == "body_too_large"
+    assert _health(server)["status"] == "ok"
 
 
 def test_client_sees_auth_error(server, model_name):
@@ -388,6 +411,7 @@ def test_full_server_answers_429(server, model_name):
                 extra = await http.post(server + "/v1/completions",
                                         json={"model": model_name, "prompt": "hi"})
                 _assert_error(extra, 429)
+                assert extra.headers["Retry-After"] == "1"
                 assert _metric(server, 'entropic_requests_rejected_total{reason="queue_full"}') >= 1
                 return extra.status_code
             finally:

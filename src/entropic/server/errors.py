@@ -91,6 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc, BodyTooLarge):
+            return exc.error().response()
         return ApiError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(QueueFullError)
@@ -139,8 +141,16 @@ class ContainErrors:
                                ).response()(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(StarletteHTTPException):
+    """A request body passed the size limit while being read. An HTTPException, so that
+    FastAPI's body parsing lets it through (it turns other errors into a 400)."""
+
+    def __init__(self, max_bytes: int, got: str) -> None:
+        super().__init__(413, f"request body: {got} exceeds the limit of {max_bytes} bytes "
+                              f"(the server's --max-body-bytes)")
+
+    def error(self) -> ApiError:
+        return ApiError(413, str(self.detail), code="body_too_large")
 
 
 class BodyLimit:
@@ -151,17 +161,13 @@ class BodyLimit:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _error(self, got: str) -> JSONResponse:
-        return ApiError(413, f"request body: {got} exceeds the limit of {self.max_bytes} bytes "
-                             f"(the server's --max-body-bytes)", code="body_too_large"
-                        ).response()
-
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._error(f"{int(length)} bytes")(scope, receive, send)
+            too_large = BodyTooLarge(self.max_bytes, f"{int(length)} bytes")
+            return await too_large.error().response()(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -170,13 +176,10 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _BodyTooLarge
+                    raise BodyTooLarge(self.max_bytes, f"more than {self.max_bytes} bytes")
             return message
 
-        try:
-            await self.app(scope, counted, send)
-        except _BodyTooLarge:
-            await self._error(f"more than {self.max_bytes} bytes")(scope, receive, send)
+        await self.app(scope, counted, send)
 
 
 class ApiKeyGate:

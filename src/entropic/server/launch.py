@@ -10,6 +10,9 @@ import os
 import sys
 
 API_KEY_ENV = "ENTROPIC_API_KEY"
+# After the engine loop dies the server answers for this long (503s, /health saying why)
+# before it exits 1, so that a probe or a person reading /health sees the cause.
+FATAL_EXIT_DELAY_S = 2.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -126,8 +129,9 @@ def serve(args: argparse.Namespace) -> int:
         failed.append(e)
         print(f"error: the engine loop died ({type(e).__name__}: {e}); shutting down",
               file=sys.stderr, flush=True)
-        if loop is not None and server is not None:
-            loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+        if loop is not None and server is not None:  # /health says why meanwhile
+            loop.call_soon_threadsafe(loop.call_later, FATAL_EXIT_DELAY_S, setattr, server,
+                                      "should_exit", True)
 
     app = build_app(llm, options, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
