@@ -269,6 +269,13 @@ def test_api_key_required(server, model_name, headers):
     assert httpx.get(server + "/metrics").status_code == 200
 
 
+def test_foreign_host_header_is_refused(server):
+    """Bound to loopback, the server answers loopback names only (DNS rebinding)."""
+    r = httpx.get(server + "/health", headers={"Host": "rebind.example:8000"})
+    assert _assert_error(r, 400, None, "rebind.example")["code"] == "invalid_host"
+    assert httpx.get(server + "/health", headers={"Host": "localhost"}).status_code == 200
+
+
 def test_schema_is_not_served_by_default(server):
     for path in ("/openapi.json", "/docs"):
         assert httpx.get(server + path, headers=_auth()).status_code == 404

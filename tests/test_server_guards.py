@@ -18,10 +18,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from entropic.server.app import ServerOptions
+from entropic.server.app import ServerOptions, default_allowed_hosts
 from entropic.server.errors import (ApiKeyGate, BodyLimit, ContainErrors,
                                     install_error_handlers)
-from entropic.server.launch import API_KEY_ENV, api_key_from
+from entropic.server.launch import API_KEY_ENV, allowed_hosts, api_key_from
 from entropic.server.transport import header_timeout_protocol
 
 LIMIT = 4096
@@ -170,6 +170,18 @@ def test_server_options():
     assert {"/metrics", "/health", "/docs", "/openapi.json"} <= set(guarded.guarded_prefixes())
     assert opts.body_limit(8192) == 1 << 20 and opts.body_limit(32768) == 128 * 32768
     assert ServerOptions(max_body_bytes=5000).body_limit(8192) == 5000
+
+
+def test_allowed_hosts():
+    loopback = default_allowed_hosts("127.0.0.1")
+    assert {"localhost", "127.0.0.1", "[::1]"} <= loopback
+    assert default_allowed_hosts("0.0.0.0") is None
+    assert allowed_hosts(None, "127.0.0.1", default_allowed_hosts) == loopback
+    assert allowed_hosts("a.example, B.example", "0.0.0.0",
+                         default_allowed_hosts) == {"a.example", "b.example"}
+    assert allowed_hosts("*", "127.0.0.1", default_allowed_hosts) is None
+    with pytest.raises(ValueError, match="--allowed-hosts"):
+        allowed_hosts(" , ", "0.0.0.0", default_allowed_hosts)
 
 
 # The engine loop's death is injected from outside the product code: the script below

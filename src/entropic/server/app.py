@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from entropic.server.async_engine import AsyncEngine, FatalHook
-from entropic.server.errors import ApiKeyGate, BodyLimit, ContainErrors, install_error_handlers
+from entropic.server.errors import (ApiKeyGate, BodyLimit, ContainErrors, HostCheck,
+                                    install_error_handlers)
 from entropic.server.metrics import ServerMetrics
 from entropic.server.openai_api import ServerState, router
 from entropic.server.tokenizer_api import router as tokenizer_router
@@ -38,7 +39,9 @@ class ServerOptions:
     default: the schema is a map of the API for anyone who can reach the port).
     `max_waiting`: requests held beyond the running batch before 429.
     `max_body_bytes`: larger request bodies get 413; None sizes it to the context,
-    `BODY_BYTES_PER_TOKEN` per token of max_model_len, at least `MIN_BODY_BYTES`."""
+    `BODY_BYTES_PER_TOKEN` per token of max_model_len, at least `MIN_BODY_BYTES`.
+    `allowed_hosts`: names accepted in the Host header (400 otherwise); `entropic serve`
+    sets the loopback names when it binds a loopback address (see `default_allowed_hosts`)."""
 
     model_name: str | None = None
     api_key: str | None = None
@@ -46,6 +49,7 @@ class ServerOptions:
     max_body_bytes: int | None = None
     protect_metrics: bool = False
     enable_docs: bool = False
+    allowed_hosts: frozenset[str] | None = None  # Host header names served; None: any
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -69,6 +73,17 @@ class ServerOptions:
         if self.enable_docs:
             paths += ["/docs", "/openapi.json"]
         return tuple(paths)
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def default_allowed_hosts(bind_host: str) -> frozenset[str] | None:
+    """The loopback names when the server binds a loopback address, else None (any Host:
+    a server on the network is reached under names it cannot know)."""
+    if bind_host in ("localhost", "::1") or bind_host.startswith("127."):
+        return LOOPBACK_NAMES | {bind_host if ":" not in bind_host else f"[{bind_host}]"}
+    return None
 
 
 # A token is ~4 characters of text, and JSON may spend up to 6 bytes on one (an escape), or
@@ -112,6 +127,8 @@ def build_app(llm, options: ServerOptions = ServerOptions(),
     if options.api_key is not None:
         app.add_middleware(ApiKeyGate, api_key=options.api_key,
                            prefixes=options.guarded_prefixes())
+    if options.allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=options.allowed_hosts)
 
     @app.get("/health")
     async def health() -> JSONResponse:

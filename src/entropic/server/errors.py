@@ -207,3 +207,25 @@ class ApiKeyGate:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class HostCheck:
+    """ASGI middleware: requests whose Host header (port aside) is not in `allowed` get a
+    400. A server on loopback allows only loopback names, which defeats DNS rebinding (a
+    hostile page whose domain re-resolves to 127.0.0.1 sends its own name as Host)."""
+
+    def __init__(self, app, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(h.lower() for h in allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in self.allowed:
+                resp = ApiError(400, f"Host header {host!r} is not served here (allowed: "
+                                     f"{', '.join(sorted(self.allowed))}; see --allowed-hosts)",
+                                param=None, code="invalid_host").response()
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

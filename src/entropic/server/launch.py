@@ -43,6 +43,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="reject larger request bodies with 413 (default: 128 bytes per "
                         "token of context, at least 1 MiB)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated names accepted in the Host header, '*' for any "
+                        "(default: the loopback names when bound to loopback, which stops DNS "
+                        "rebinding; any otherwise)")
     p.add_argument("--timeout-header", type=float, default=10.0,
                    help="close connections that take longer to send request headers (s)")
     p.add_argument("--timeout-keep-alive", type=int, default=5,
@@ -91,6 +95,16 @@ def api_key_from(args: argparse.Namespace, environ=os.environ) -> str | None:
     return value
 
 
+def allowed_hosts(given: str | None, bind_host: str, default) -> frozenset[str] | None:
+    """--allowed-hosts as a set of names (None: any Host), or the default for `bind_host`."""
+    if given is None:
+        return default(bind_host)
+    names = frozenset(n.strip().lower() for n in given.split(",") if n.strip())
+    if not names:
+        raise ValueError("--allowed-hosts: give at least one name, or '*' for any")
+    return None if "*" in names else names
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Exits 1 if the engine loop dies, so a
     supervisor restarts the server instead of it answering 503 for ever."""
@@ -101,12 +115,14 @@ def serve(args: argparse.Namespace) -> int:
 
     from entropic import LLM
     from entropic.control.pruning import PruningConfig
-    from entropic.server.app import ServerOptions, build_app
+    from entropic.server.app import ServerOptions, build_app, default_allowed_hosts
     from entropic.server.transport import header_timeout_protocol
 
     options = ServerOptions(model_name=args.served_model_name, api_key=api_key_from(args),
                             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                            protect_metrics=args.protect_metrics, enable_docs=args.enable_docs)
+                            protect_metrics=args.protect_metrics, enable_docs=args.enable_docs,
+                            allowed_hosts=allowed_hosts(args.allowed_hosts, args.host,
+                                                        default_allowed_hosts))
     protocol = header_timeout_protocol(args.timeout_header)
     if args.threads:
         torch.set_num_threads(args.threads)
