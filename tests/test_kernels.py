@@ -319,6 +319,50 @@ def test_logit_stats_match_torch():
         E.logit_stats(x.bfloat16())
 
 
+def test_tempered_entropy_matches_torch():
+    from entropic.sampling.sampler import entropy_from_logits
+    g = _gen(7)
+    x = torch.randn(6, 49152 + 7, generator=g) * 5
+    x[1, 50:30000] = -math.inf
+    mx = x.amax(-1)
+    rows = torch.tensor([0, 1, 3, 3, 5])
+    temps = torch.tensor([0.001, 0.7, 1.0, 5.0, 1000.0])
+    h = E.tempered_entropy(x, rows, mx, temps)
+    torch.testing.assert_close(h, entropy_from_logits(x[rows] / temps[:, None]),
+                               rtol=1e-5, atol=1e-5)
+    for bad_rows, bad_t, words in [(torch.tensor([6]), torch.tensor([1.0]), "out of range"),
+                                   (torch.tensor([0]), torch.tensor([0.0]), "> 0"),
+                                   (torch.tensor([0, 1]), torch.tensor([1.0]), "do not match")]:
+        with pytest.raises(RuntimeError, match=words):
+            E.tempered_entropy(x, bad_rows, mx, bad_t)
+
+
+def test_native_thermostat_follows_the_torch_one():
+    """The thermostat's H^T from one native pass (reusing the sampler's row max) drives the
+    same temperatures, to fp32 rounding, and the same seeded tokens as the torch ops."""
+    from entropic import SamplingParams, ThermostatParams
+    from entropic.control.thermostat import Thermostat
+    from entropic.sampling.sampler import Sampler, SamplingBatch
+    g = _gen(8)
+    steps = [torch.randn(16, 49152, generator=g) * (1 + i % 4) for i in range(24)]
+    th = ThermostatParams(target_entropy=2.5, eta=0.5, t_min=0.2, t_max=3.0)
+    params = [SamplingParams(temperature=1.0, seed=i, thermostat=th if i % 3 else None)
+              for i in range(16)]
+    runs = []
+    for native in (True, False):
+        s = Sampler([Thermostat()], native=native)
+        temps, toks = [], []
+        for n, logits in enumerate(steps):
+            out = s(logits.clone(), SamplingBatch([f"r{i}" for i in range(16)], params,
+                                                  [n] * 16))
+            temps.append(out.temperatures)
+            toks.append(out.token_ids)
+        runs.append((torch.stack(temps), torch.stack(toks)))
+    (ta, ka), (tb, kb) = runs
+    torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ka, kb)
+
+
 @pytest.mark.parametrize("temperature", (0.0, 0.8))
 def test_native_sampler_statistics_agree_with_torch(temperature):
     from entropic import SamplingParams

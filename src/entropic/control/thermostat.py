@@ -5,7 +5,8 @@ state T_t. At each step, for every row whose request set `SamplingParams.thermos
 1. the row is sampled at T_t (the controller sets the row's temperature);
 2. the controller measures the entropy that drives it:
    - stabilize: H_t^T, the entropy of softmax(logits / T_t), the full tempered distribution
-     before top-k/top-p/min-p (which then truncate it as usual);
+     before top-k/top-p/min-p (which then truncate it as usual), in one native pass over the
+     row when the sampler's native statistics ran (it reuses their row max);
    - follow: H_t, the model's temperature-1 entropy;
    floored at h_min (H_hat = max(H, H_min));
 3. after sampling (`accept`) it moves to
@@ -24,7 +25,7 @@ from typing import Sequence
 import torch
 
 from entropic.control.estimators import ExactEntropy
-from entropic.sampling.sampler import SamplingBatch
+from entropic.sampling.sampler import SamplingBatch, tempered_entropy
 
 _exact = ExactEntropy()
 
@@ -74,7 +75,7 @@ class Thermostat:
         temps[idx] = t_vec
         stab = [batch.params[i].thermostat.mode == "stabilize" for i in rows]
         if any(stab):
-            h_tempered = _exact(logits[idx] / t_vec[:, None]).tolist()
+            h_tempered = tempered_entropy(logits, idx, t_vec, batch).tolist()
         h_model = batch.entropies[idx].tolist() if batch.entropies is not None else None
         self._pending = {}
         for j, i in enumerate(rows):

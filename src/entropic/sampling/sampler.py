@@ -28,6 +28,9 @@ class SamplingBatch:
     params: list[SamplingParams]
     num_output_tokens: list[int]
     entropies: torch.Tensor | None = None  # [S] model entropy, set by the sampler
+    # [S] row maxima of `stats_of` (the raw logits), set when the native statistics ran
+    row_max: torch.Tensor | None = None
+    stats_of: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,6 +71,17 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     if torch.isnan(h).any():
         h = torch.special.entr(logp.exp()).sum(-1)
     return h
+
+
+def tempered_entropy(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor,
+                     batch: SamplingBatch) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits[rows] / temps), per row: what a temperature
+    controller measures. One native pass over each row, given the maxima the sampler's
+    statistics already found (when they ran on these very logits); else the torch ops."""
+    if batch.row_max is not None and logits is batch.stats_of:
+        return torch.ops.entropic.tempered_entropy(logits, rows, batch.row_max,
+                                                   temps.to(torch.float32))
+    return entropy_from_logits(logits[rows] / temps[:, None])
 
 
 @dataclass
@@ -132,7 +146,8 @@ class Sampler:
         dev = logits.device
         stats = self._native_stats(logits)
         if stats is not None:
-            lse, entropies, argmax = stats
+            mx, lse, entropies, argmax = stats
+            batch.row_max, batch.stats_of = mx, raw
             logp = None
         else:
             _check_logits(logits)
@@ -169,8 +184,8 @@ class Sampler:
         return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps)
 
     def _native_stats(self, logits: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(logsumexp, entropy, argmax) per row from the native kernel, or None where it does
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(max, logsumexp, entropy, argmax) per row from the native kernel, or None where it does
         not apply (not enabled, not CPU fp32 rows, or a row whose max is not finite: those
         take the checked torch path)."""
         if not (self.native and logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -179,7 +194,7 @@ class Sampler:
         mx, lse, ent, arg = torch.ops.entropic.logit_stats(logits)
         if not bool(torch.isfinite(mx).all()):
             return None
-        return lse, ent, arg
+        return mx, lse, ent, arg
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor,
                 batch: SamplingBatch) -> torch.Tensor:
