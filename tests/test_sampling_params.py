@@ -8,6 +8,7 @@ from entropic.sampling_params import SamplingParams
     ({"max_tokens": -3}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e39}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": -0.1}, "min_p"),

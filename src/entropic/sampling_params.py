@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # bounds keep every exp/log of its law finite (and its exponent is clipped as well).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 GREEDY_BELOW = 1e-5
+TEMPERATURE_MAX = 1e4  # beyond it a distribution is uniform to fp32 precision (and 1e39 is inf)
 THERMOSTAT_T_RANGE = (1e-3, 1e3)
 THERMOSTAT_MAX_ETA = 1e3
 THERMOSTAT_MAX_ENTROPY = 1e3  # nats; a vocabulary of |V| tokens has at most log |V| (~12)
@@ -96,8 +97,9 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         _check_num("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= TEMPERATURE_MAX:
+            raise ValueError(f"temperature must be in [0, {TEMPERATURE_MAX:g}] (0 = greedy), "
+                             f"got {self.temperature}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")

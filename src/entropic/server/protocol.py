@@ -189,6 +189,8 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs: requires logprobs=true"
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            return "top_logprobs", f"top_logprobs: must be in [0, 20], got {self.top_logprobs}"
         return super().unsupported()
 
 
