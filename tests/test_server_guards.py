@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -23,6 +21,7 @@ from entropic.server.errors import (ApiKeyGate, BodyLimit, ContainErrors,
                                     install_error_handlers)
 from entropic.server.launch import API_KEY_ENV, allowed_hosts, api_key_from
 from entropic.server.transport import header_timeout_protocol
+from serving import ServerProcess, free_port
 
 LIMIT = 4096
 HEADER_TIMEOUT = 0.5
@@ -52,9 +51,7 @@ def _tiny_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def base():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(_tiny_app(), host="127.0.0.1", port=port, log_level="critical",
                             http=header_timeout_protocol(HEADER_TIMEOUT))
     server = uvicorn.Server(config)
@@ -202,42 +199,18 @@ _DYING_SERVER = textwrap.dedent("""
 
 @pytest.mark.model
 def test_dead_engine_loop_reports_and_exits_nonzero(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "dying.py"
     script.write_text(_DYING_SERVER)
-    log = open(tmp_path / "log", "w+")
-    proc = subprocess.Popen([sys.executable, str(script), "serve", "--port", str(port),
-                             "--threads", "1", "--dtype", "float32", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, (log.seek(0), log.read())[1]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not become healthy"
-            time.sleep(0.3)
-        ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    with ServerProcess("--threads", "1", "--dtype", "float32", "--log-level", "warning",
+                       script=str(script)) as srv:
+        ok = httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200
-        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 13},
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 13},
                        timeout=30)
         assert r.status_code == 503 and "injected scheduler bug" in r.json()["error"]["message"]
-        health = httpx.get(base + "/health", timeout=5)
+        health = httpx.get(srv.base + "/health", timeout=5)
         assert health.status_code == 503
         assert health.json()["status"] == "engine_failed"
         assert "injected scheduler bug" in health.json()["error"]
-        assert proc.wait(30) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.seek(0)
-        out = log.read()
-        log.close()
-    assert "the engine loop died" in out
+        assert srv.proc.wait(30) == 1
+        assert "the engine loop died" in srv.log_text()

@@ -67,11 +67,26 @@ class Tokenizer:
             eos_token_ids = eos_ids_from_dir(path)
         return cls(tok, eos_token_ids=eos_token_ids or (), source=path)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS only if the model's tokenizer adds one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS only if the model's tokenizer adds one (and
+        `add_special_tokens`); special-token strings in the text map to their ids either way."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return list(self._tok.encode(text, add_special_tokens=True))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """bos/eos/pad/unk token strings. EOS is the first id that ends generation, as the
+        model declares it (which may differ from the HF tokenizer's own eos_token)."""
+        t = self._tok
+        eos = (self.convert_ids_to_tokens(self.eos_token_ids[:1])[0] if self.eos_token_ids
+               else t.eos_token)
+        return {"bos_token": t.bos_token, "eos_token": eos, "pad_token": t.pad_token,
+                "unk_token": t.unk_token}
+
+    @property
+    def class_name(self) -> str:
+        """The Hugging Face tokenizer class behind this one (vLLM's `tokenizer_class`)."""
+        return type(self._tok).__name__
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; special tokens (BOS, EOS, chat markers) are dropped by default."""

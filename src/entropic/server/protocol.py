@@ -195,8 +195,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize: a text `prompt` (BOS as the model's tokenizer adds it), or chat
-    `messages` rendered with the model's chat template."""
+    """POST /tokenize: a text `prompt` (BOS as the model's tokenizer adds it, unless
+    add_special_tokens is false), or chat `messages` rendered with the model's chat template."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -204,6 +204,11 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's fields: BOS etc. for a text prompt (default on, as the model's tokenizer adds
+    # them); a chat template writes its own, so `messages` ignore it. `return_token_strs`:
+    # also the vocabulary string of each token.
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""/tokenize and /detokenize (vLLM's shapes): the served model's tokenizer over HTTP.
+"""/tokenize, /detokenize and /tokenizer_info (vLLM's shapes): the served model's tokenizer
+over HTTP, as lm-evaluation-harness's remote tokenizer (`tokenizer_backend=remote`) uses it.
 
 Tokenization of a large body takes milliseconds to seconds, so it runs in a worker thread,
 never on the event loop that serves every other client's stream.
@@ -28,10 +29,24 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
             ids = await run_in_threadpool(tok.apply_chat_template, msgs,
                                           body.add_generation_prompt)
         else:
-            ids = await run_in_threadpool(tok.encode, body.prompt)
+            ids = await run_in_threadpool(tok.encode, body.prompt, body.add_special_tokens)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+    if body.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return out
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    """What a client needs to tokenize like the server: special tokens, the chat template,
+    the vocabulary size and context length (the fields of a tokenizer_config.json)."""
+    state = request.app.state.entropic
+    tok = state.tokenizer
+    return {"tokenizer_class": tok.class_name, **tok.special_tokens(),
+            "eos_token_ids": list(tok.eos_token_ids), "chat_template": tok.chat_template,
+            "model_max_length": state.max_model_len, "vocab_size": tok.vocab_size}
 
 
 @router.post("/detokenize")
