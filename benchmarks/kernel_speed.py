@@ -1,7 +1,7 @@
 """entropic's native CPU kernels against the torch ops they replace, side by side.
 
-    python3 benchmarks/kernels.py                 # 2 threads, results/kernels.json
-    python3 benchmarks/kernels.py --quick         # fewer repeats
+    python3 benchmarks/kernel_speed.py                 # 2 threads, results/kernels.json
+    python3 benchmarks/kernel_speed.py --quick         # fewer repeats
 
 Each figure is the median time of one call (or of one token's worth of calls), the two
 implementations alternating call by call so that machine noise hits both alike:
