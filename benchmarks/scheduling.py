@@ -11,7 +11,8 @@ same work; greedy decoding. The engine is constrained: --max-num-seqs slots and
 Both policies get identical arrival times and requests; runs alternate fcfs/entropic.
 
 Reported (median over repeats): mean, p50, p99 of TTFT, TPOT and end-to-end latency (from
-the request's scheduled arrival), output tokens/s over the makespan, preemptions, engine tau
+the request's scheduled arrival), output tokens/s over the makespan, preemptions (pauses,
+which keep the KV resident, and recomputes, which drop it), linear TFLOPs, engine tau
 per TFLOP and per second (dtau/dC). Also a check of the E[dH] predictor used by the policy:
 on the generated entropy traces, mean absolute error and rank correlation of candidate
 predictors against the realised next-step dH+.
@@ -56,7 +57,9 @@ def run(llm: LLM, reqs: list[tuple[float, list[int], int]]) -> dict:
     seconds = res.stats["cost.seconds"]
     tau = res.stats["tau"]
     out = {"output_tok_s": sum(len(o.token_ids) for o in finals) / makespan,
-           "preemptions": res.stats["preemptions"],
+           "preemptions": res.stats["preemptions"], "pauses": res.stats["pauses"],
+           "recomputes": res.stats["recomputes"],
+           "linear_tflop": res.stats["cost.flops_linear"] / 1e12,
            "tau_per_tflop": tau / tflops, "tau_per_s": tau / seconds, "makespan": makespan}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         out[f"{name}_mean"] = statistics.fmean(xs)
@@ -148,8 +151,8 @@ def main() -> None:
             print(f"  repeat {rep} {name}: {runs[name][-1]['makespan']:.1f}s", file=sys.stderr,
                   flush=True)
     cols = ["ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99",
-            "e2e_mean", "e2e_p50", "e2e_p99", "output_tok_s", "preemptions", "tau_per_tflop",
-            "tau_per_s"]
+            "e2e_mean", "e2e_p50", "e2e_p99", "output_tok_s", "preemptions", "pauses",
+            "recomputes", "linear_tflop", "tau_per_tflop", "tau_per_s"]
     table = {name: {c: statistics.median(r[c] for r in rs) for c in cols}
              for name, rs in runs.items()}
     spread = {name: {c: [r[c] for r in rs] for c in cols} for name, rs in runs.items()}

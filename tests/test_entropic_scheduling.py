@@ -139,3 +139,63 @@ def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, m
         assert not sch.num_unfinished
     assert pool.num_free == num_blocks and fpool.num_free == num_blocks
     assert finished == reference
+
+
+def _run_all(sched, runner, clock, arrivals: dict[int, Request], steps: int = 300):
+    """Step until done, adding arrivals[t] at step t; return the tokens computed per
+    request (prefill and decode, recomputation included) and the final outputs."""
+    computed, outputs = {}, {}
+    for t in range(steps):
+        if t in arrivals:
+            sched.add(arrivals[t])
+        if not sched.num_unfinished and t > max(arrivals):
+            break
+        out, touched = step(sched, runner, clock)
+        for c in out.chunks:
+            computed[c.request_id] = computed.get(c.request_id, 0) + c.num_tokens
+        for r in touched:
+            if r.status.finished:
+                outputs[r.request_id] = r.output_token_ids
+    return computed, outputs
+
+
+def _fcfs_tokens(arrivals: dict[int, Request]) -> dict[str, list[int]]:
+    sched, _, runner = make_scheduler(1000, max_num_seqs=8, budget=64)
+    for r in arrivals.values():
+        sched.add(req(r.request_id, r.num_prompt_tokens, r.params.max_tokens))
+    done = {}
+    while sched.num_unfinished:
+        out = sched.schedule()
+        for r in sched.update(out, runner.execute(out), 0.0):
+            if r.status.finished:
+                done[r.request_id] = r.output_token_ids
+    return done
+
+
+def test_displacement_pauses_with_kv_resident_when_memory_allows():
+    """One slot, plenty of blocks: an aged arrival displaces the running request, which
+    keeps its KV and later resumes where it stopped: no token is computed twice."""
+    sched, pool, runner, clock, _ = setup(200, max_num_seqs=1, budget=64, max_wait=2)
+    arrivals = {0: req("long", 8, 30), 3: req("short", 4, 3)}
+    computed, outputs = _run_all(sched, runner, clock, arrivals)
+    assert sched.num_displacements >= 1 and sched.num_pauses == sched.num_preemptions
+    assert sched.num_recomputes == 0
+    assert computed == {"long": 8 + 30 - 1, "short": 4 + 3 - 1}  # each position once
+    assert outputs == _fcfs_tokens(arrivals)  # the fake model is greedy: same tokens
+    assert pool.num_free == 200
+
+
+def test_memory_pressure_takes_back_paused_kv_before_preempting_the_running():
+    """10 blocks of 4 tokens, one slot. "big" arrives, ages, and displaces "long" once its
+    residency is over: "long" pauses holding 5 blocks. When "big" outgrows the 5 free blocks,
+    the paused KV is dropped ("long" recomputes later) and "big" is never preempted."""
+    sched, pool, runner, clock, _ = setup(10, max_num_seqs=1, budget=64, max_wait=2,
+                                          min_residency=12)
+    arrivals = {0: req("long", 8, 24), 3: req("big", 20, 8)}
+    computed, outputs = _run_all(sched, runner, clock, arrivals)
+    assert sched.num_pauses == 1 and sched.num_recomputes == 1
+    assert sched.num_preemptions == 1  # the pause: nothing running lost its KV
+    assert arrivals[3].metrics.num_preemptions == 0
+    assert computed["big"] == 20 + 8 - 1 and computed["long"] > 8 + 24 - 1
+    assert outputs == _fcfs_tokens(arrivals)
+    assert pool.num_free == 10

@@ -48,7 +48,9 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     computed_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # pauses (KV kept resident) and recomputes (KV dropped)
+    pauses: int = 0
+    recomputes: int = 0
     finished: int = 0
     aborted: int = 0
     failed: int = 0  # requests the engine failed alone (finish_reason "error")
@@ -207,6 +209,8 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.computed_tokens += result.num_tokens
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.pauses = self.scheduler.num_pauses
+        self.stats.recomputes = self.scheduler.num_recomputes
         for req in touched:
             if req.request_id not in self._detok:
                 continue  # failed above, after update handed it a token

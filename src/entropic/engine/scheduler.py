@@ -102,6 +102,8 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0  # all preemptions, displacements included
         self.num_displacements = 0
+        self.num_pauses = 0  # preemptions that kept the KV resident (the request resumes)
+        self.num_recomputes = 0  # KV dropped (memory needed): recomputed on readmission
         self._finished_since_step: list[str] = []
 
     # ---- queue operations -------------------------------------------------------------
@@ -227,10 +229,10 @@ class Scheduler:
     def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
               preempted: set[str]) -> bool:
         """Blocks for a running request's next n tokens: evicting blocks if the block policy
-        allows, else preempting (maybe itself)."""
+        allows, then taking back the KV of paused requests, else preempting (maybe itself)."""
         need = req.num_computed_tokens + n
         while not self.kv.allocate(req.request_id, need):
-            if self._evict(self._shortfall(req, need)):
+            if self._evict(self._shortfall(req, need)) or self._reclaim_paused(req):
                 continue
             victim = self.policy.choose_victim(later + [req], self.step_count)
             self._preempt(victim, out)
@@ -246,7 +248,9 @@ class Scheduler:
         need = req.num_computed_tokens + n
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(req.request_id,
                                                                             need):
-            if len(self.running) < self.max_num_seqs and self._evict(self._shortfall(req, need)):
+            fits = self.kv.can_fit(req.request_id, need)
+            if (len(self.running) < self.max_num_seqs and not fits
+                    and (self._evict(self._shortfall(req, need)) or self._reclaim_paused(req))):
                 continue
             if not later:
                 return False
@@ -254,7 +258,8 @@ class Scheduler:
             if not self.policy.displace(req, victim, self.step_count):
                 return False
             self.num_displacements += 1
-            self._preempt(victim, out)
+            # only a slot is needed when the blocks fit: the victim pauses, KV resident
+            self._preempt(victim, out, keep_kv=fits)
             preempted.add(victim.request_id)
             later.remove(victim)
         if not self.kv.allocate(req.request_id, need):
@@ -284,16 +289,35 @@ class Scheduler:
         self.num_evicted_blocks += len(pairs)
         return bool(pairs)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Preemption by recompute: drop the KV, keep the tokens, requeue."""
-        self.kv.free(req.request_id)
+    def _preempt(self, req: Request, out: SchedulerOutput, keep_kv: bool = False) -> None:
+        """Take a running request out of the batch and requeue it, keeping its tokens.
+        keep_kv (pause): its blocks stay resident and it resumes where it stopped; else
+        (recompute) its KV goes back to the pool and is computed again on readmission."""
+        if keep_kv:
+            self.num_pauses += 1
+        else:
+            self._drop_kv(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1
         self.waiting.append(req)
         self.num_preemptions += 1
         out.preempted_ids.append(req.request_id)
+
+    def _drop_kv(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        self.num_recomputes += 1
+
+    def _reclaim_paused(self, needy: Request) -> bool:
+        """Memory is short: drop the KV of one paused request (the policy's victim among
+        them; never `needy` itself). True if blocks came back."""
+        paused = [r for r in self.waiting
+                  if r is not needy and self.kv.num_blocks_held(r.request_id)]
+        if not paused:
+            return False
+        self._drop_kv(self.policy.choose_victim(paused, self.step_count))
+        return True
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
                now: float, prompt_scores: dict[str, PromptScores] | None = None
