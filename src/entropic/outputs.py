@@ -50,7 +50,7 @@ class RequestMetrics:
 
 @dataclass
 class EntropicReading:
-    """Entropic time of one request (or the engine) against its cost (SPEC section 2)."""
+    """Entropic time of one request (or the engine) against its cost (design section 2)."""
 
     tau: float  # sum of positive entropy drops, nats
     mean_entropy: float

@@ -18,7 +18,7 @@ THERMOSTAT_MAX_ENTROPY = 1e3  # nats; a vocabulary of |V| tokens has at most log
 
 @dataclass(frozen=True)
 class ThermostatParams:
-    """Options of the entropy-stabilising temperature controller (SPEC section 4, micro).
+    """Options of the entropy-stabilising temperature controller (design section 4, micro).
 
     stabilize (default): T_{t+1} = clip(T_t exp(eta (H* - H_t^T)), t_min, t_max), where
     H_t^T is the entropy of the tempered distribution actually sampled from.

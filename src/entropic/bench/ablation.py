@@ -1,4 +1,4 @@
-"""The ablation (SPEC section 6): baseline, each layer alone, each pair, all three.
+"""The ablation (design section 6): baseline, each layer alone, each pair, all three.
 
 Layers: macro = entropic scheduling (`LLM(scheduling="entropic")`), meso = KV-block pruning
 (`LLM(pruning=PruningConfig())`), micro = the thermostat (`SamplingParams(thermostat=...)`).

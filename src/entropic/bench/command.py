@@ -10,7 +10,7 @@ from dataclasses import replace
 def add_parsers(sub) -> None:
     """Add `ablation` to the `entropic bench` subparsers."""
     a = sub.add_parser("ablation", help="baseline, each control layer, each pair, all three "
-                       "(SPEC section 6); writes DIR/ablation.json, ablation.md and PNG plots",
+                       "(design section 6); writes DIR/ablation.json, ablation.md and PNG plots",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a.add_argument("--quick", action="store_true",
                    help="small workload, 1 repeat (about 2 minutes on 2 cores)")

@@ -1,4 +1,4 @@
-"""The entropic clock (SPEC section 2): H_t, dH_t = H_{t-1} - H_t, tau = sum max(0, dH_t).
+"""The entropic clock (design section 2): H_t, dH_t = H_{t-1} - H_t, tau = sum max(0, dH_t).
 
 Entropic time advances only on irreversible uncertainty reduction. The clock is an engine
 observer: it sees every sampled token's entropy and every request's cost, and reports

@@ -1,4 +1,4 @@
-"""Entropy estimators behind one batched interface (SPEC section 3).
+"""Entropy estimators behind one batched interface (design section 3).
 
 All take logits [S, V] and return entropies [S] in nats, of the temperature-1 distribution.
 - exact: H = -sum_x p(x) log p(x) over the whole vocabulary;

@@ -1,4 +1,4 @@
-"""Entropic attention pruning over paged KV blocks (SPEC section 4, meso scale).
+"""Entropic attention pruning over paged KV blocks (design section 4, meso scale).
 
 Each KV block b of a sequence carries an entropic contribution I_b. At a decode step only
 blocks with I_b >= theta_t are attended, theta_t rising as the sequence's entropy H_t falls:
@@ -19,7 +19,7 @@ docs/pruning.md compares them.
 theta_t as a budget: the sequence keeps the ceil(rho(H_t) * live) highest-I_b blocks,
   rho(H) = rho_min + (1 - rho_min) * clip((H - h_low) / (h_high - h_low), 0, 1),
 so theta_t (the lowest I_b kept) rises as H_t falls. H_t is the entropy of the step that
-produced the token being decoded, floored at h_floor (SPEC section 3).
+produced the token being decoded, floored at h_floor (design section 3).
 
 Eviction (`evict=True`): when KV blocks run out, the lowest-I_b unprotected blocks of
 running sequences (I_b relative to the sequence's mean, so that sequences compare) are

@@ -1,4 +1,4 @@
-"""Entropy-aware scheduling (SPEC section 4, macro scale), with bounded waiting.
+"""Entropy-aware scheduling (design section 4, macro scale), with bounded waiting.
 
 Priority of a request s:   pi(s) = E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s + eps)
 

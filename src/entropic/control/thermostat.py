@@ -1,4 +1,4 @@
-"""The thermostat: entropy-stabilising temperature control (SPEC section 4, micro scale).
+"""The thermostat: entropy-stabilising temperature control (design section 4, micro scale).
 
 A sampler-chain element (see `entropic.sampling.sampler.LogitsProcessor`) with per-request
 state T_t. At each step, for every row whose request set `SamplingParams.thermostat`:
