@@ -214,6 +214,7 @@ class Sampler:
             sorted_p, idx = probs.sort(dim=-1, descending=True)
             # drop a token when the mass strictly before it already reaches top_p
             drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= tp[:, None]
+            drop_sorted[:, 0] = False  # the top token stays, however small top_p (fp32 0)
             drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         min_ps = [p.min_p for p in params]

@@ -155,6 +155,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except ValueError as e:
         raise ApiError(400, str(e), param="prompt") from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if max_tokens < 0:
+        raise ApiError(400, f"max_tokens: must be >= 0, got {max_tokens}", param="max_tokens")
     if max_tokens == 0 and not body.echo:
         raise ApiError(400, "max_tokens: must be at least 1 (0 is allowed only with echo=true, "
                             "to score the prompt)", param="max_tokens")
@@ -166,7 +168,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     stream = state.engine.submit(rid, ids, params)
     echo_text = ""
     if body.echo:
-        echo_text = prompt if isinstance(prompt, str) else state.tokenizer.decode(ids)
+        echo_text = prompt if isinstance(prompt, str) else state.tokenizer.decode(
+            ids, skip_special_tokens=body.skip_special_tokens)
     job = _Completion(state, body, rid, ids, echo_text, max_tokens == 0)
     return await _respond(job, stream, body.stream, request)
 
@@ -208,7 +211,7 @@ class _Completion:
             out.finish_reason = "length"
         return {"id": self.rid, "object": "text_completion", "created": self.created,
                 "model": self.s.model_name,
-                "choices": [self._choice(out, text, 0, 0, bool(self.echo_text), True)],
+                "choices": [self._choice(out, text, 0, 0, self.b.echo, True)],
                 "usage": usage(len(self.ids), n_out)}
 
     def _chunk(self, choice: dict) -> str:
@@ -226,7 +229,7 @@ class _Completion:
             start = len(out.token_ids) - len(out.new_token_ids)
             if text or out.finished or self.b.logprobs is not None or self.entropy:
                 yield self._chunk(self._choice(out, text, start, offset,
-                                               first and bool(self.echo_text), out.finished))
+                                               first and self.b.echo, out.finished))
             offset += len(text)
             first = False
             n_out = len(out.token_ids)
