@@ -86,16 +86,30 @@ def test_seeded_rows_reproducible_whatever_the_batch():
     def draws(other_rows):
         s = Sampler()
         seq = []
-        for _ in range(10):
+        for step in range(10):
             params = [SamplingParams(temperature=1.0)] * other_rows + [seeded]
             b = SamplingBatch([f"o{i}" for i in range(other_rows)] + ["me"], params,
-                              [0] * (other_rows + 1))
+                              [0] * other_rows + [step])
             x = torch.cat([torch.randn(other_rows, 1000), logits])
             seq.append(s(x, b).token_ids[-1].item())
         return seq
 
     assert draws(0) == draws(5) == draws(17)
     assert len(set(draws(0))) > 1  # it does sample
+
+
+def test_seeded_draw_depends_on_seed_and_position_only():
+    """Output position i of a seeded request draws the same token whenever it is sampled:
+    alone, after other positions, or beside its neighbours in one call (a verify)."""
+    logits = torch.randn(6, 1000)
+    p = SamplingParams(temperature=1.0, seed=99)
+    one_by_one = [Sampler()(logits[i:i + 1], SamplingBatch(["me"], [p], [i])).token_ids.item()
+                  for i in range(6)]
+    together = Sampler()(logits, SamplingBatch(["me"] * 6, [p] * 6, list(range(6))))
+    assert together.token_ids.tolist() == one_by_one
+    reversed_ = [Sampler()(logits[i:i + 1], SamplingBatch(["me"], [p], [i])).token_ids.item()
+                 for i in reversed(range(6))]
+    assert reversed_[::-1] == one_by_one
 
 
 def test_logprobs_and_top_alternatives():

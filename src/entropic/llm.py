@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import fields
 from typing import Iterator, Sequence
 
 import torch
@@ -22,6 +23,8 @@ from entropic.model.loader import load_checkpoint
 from entropic.outputs import RequestOutput
 from entropic.sampling.sampler import LogitsProcessor
 from entropic.sampling_params import SamplingParams
+from entropic.speculative import SpeculativeConfig, Speculator
+from entropic.speculative.draft_model import make_proposer
 
 Prompt = str | Sequence[int]
 Conversation = list[dict]
@@ -42,6 +45,11 @@ class LLM:
     `pruning` (a PruningConfig; None, the default, is dense attention) lets decode steps
     attend only the KV blocks whose entropic contribution clears an entropy-dependent
     threshold, and optionally evict blocks under memory pressure.
+    `speculative_config` (a SpeculativeConfig or a dict of its fields, e.g.
+    {"method": "ngram", "num_speculative_tokens": 8}; None, the default, is off) drafts
+    tokens by prompt lookup (or a draft model) that decode steps verify in one pass; the
+    entropy gate decides when and how far. Greedy and seeded outputs are token-identical
+    to decoding without it.
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
@@ -54,6 +62,7 @@ class LLM:
                  scheduling_config: EntropicSchedulingConfig | None = None,
                  policy: SchedulingPolicy | None = None,
                  pruning: PruningConfig | None = None,
+                 speculative_config: SpeculativeConfig | dict | None = None,
                  processors: Sequence[LogitsProcessor] = ()) -> None:
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
@@ -67,6 +76,15 @@ class LLM:
             raise ValueError(f"scheduling must be 'fcfs' or 'entropic', got {scheduling!r}")
         if pruning is not None and not isinstance(pruning, PruningConfig):
             raise TypeError(f"pruning must be a PruningConfig or None, got {type(pruning).__name__}")
+        spec = speculative_config
+        if isinstance(spec, dict):
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"speculative_config: unknown field(s) {sorted(unknown)}")
+            spec = SpeculativeConfig(**spec)
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise TypeError(f"speculative_config must be a SpeculativeConfig, a dict or None, "
+                            f"got {type(spec).__name__}")
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -87,8 +105,11 @@ class LLM:
                                     block_size, max_num_seqs, max_num_batched_tokens,
                                     scheduling_config)
         self.pruner = EntropicBlockPruner(pruning, block_size) if pruning is not None else None
+        self.speculator = (Speculator(spec, make_proposer(spec, self.tokenizer, device))
+                           if spec is not None else None)
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
-                                [self.thermostat, *processors], self.clock, self.pruner)
+                                [self.thermostat, *processors], self.clock, self.pruner,
+                                self.speculator)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()
 

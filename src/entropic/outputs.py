@@ -71,6 +71,30 @@ class EntropicReading:
 
 
 @dataclass
+class SpeculationReading:
+    """One request's speculation so far."""
+
+    decode_steps: int = 0  # forward passes that committed tokens after the prompt
+    drafts: int = 0  # of those, the ones that verified a draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    committed_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verified draft (the accepted ones plus the target's own)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.committed_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass
 class RequestOutput:
     """The state of one request: complete when `finished` is True.
 
@@ -99,3 +123,4 @@ class RequestOutput:
     cost: Cost | None = None
     entropic: EntropicReading | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    speculation: SpeculationReading | None = None  # when the engine speculates

@@ -50,7 +50,7 @@ class Thermostat:
 
     def __init__(self) -> None:
         self._temps: dict[str, float] = {}
-        self._pending: dict[str, float] = {}
+        self._pending: dict[int, tuple[str, float, float]] = {}  # row -> (id, next T, H)
         self.last_controlled_entropy: dict[str, float] = {}
 
     def temperature(self, request_id: str) -> float | None:
@@ -59,41 +59,55 @@ class Thermostat:
     def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
               batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [i for i, p in enumerate(batch.params) if p.thermostat is not None]
+        self._pending = {}
         if not rows:
             return logits, temperatures
         temps = temperatures.clone()
-        t_now = []
+        # A request's rows (a speculative verify: consecutive positions) are taken in
+        # waves: its row j is sampled at the temperature its row j - 1 leads to, as if
+        # the positions were decoded one after another.
+        waves: list[list[int]] = []
+        rank: dict[str, int] = {}
+        current: dict[str, float] = {}
         for i in rows:
             p, rid = batch.params[i], batch.request_ids[i]
-            th = p.thermostat
-            t = self._temps.get(rid)
-            if t is None:
-                t = min(th.t_max, max(th.t_min, p.temperature))
-            t_now.append(t)
-        idx = torch.tensor(rows, device=logits.device)
-        t_vec = torch.tensor(t_now, dtype=logits.dtype, device=logits.device)
-        temps[idx] = t_vec
-        stab = [batch.params[i].thermostat.mode == "stabilize" for i in rows]
-        if any(stab):
-            h_tempered = tempered_entropy(logits, idx, t_vec, batch).tolist()
-        h_model = batch.entropies[idx].tolist() if batch.entropies is not None else None
-        self._pending = {}
-        for j, i in enumerate(rows):
-            th, rid = batch.params[i].thermostat, batch.request_ids[i]
-            if stab[j]:
-                h = h_tempered[j]
-            else:
-                if h_model is None:
-                    h_model = _exact(logits[idx]).tolist()
-                h = h_model[j]
-            h = max(h, th.h_min)
-            self.last_controlled_entropy[rid] = h
-            self._pending[rid] = next_temperature(t_now[j], h, th.target_entropy, th.eta,
-                                                  th.t_min, th.t_max, th.mode)
+            j = rank.get(rid, 0)
+            rank[rid] = j + 1
+            if j == len(waves):
+                waves.append([])
+            waves[j].append(i)
+            if j == 0:
+                t = self._temps.get(rid)
+                current[rid] = min(p.thermostat.t_max, max(p.thermostat.t_min, p.temperature)) \
+                    if t is None else t
+        h_model = batch.entropies.tolist() if batch.entropies is not None else None
+        for wave in waves:
+            t_now = [current[batch.request_ids[i]] for i in wave]
+            idx = torch.tensor(wave, device=logits.device)
+            t_vec = torch.tensor(t_now, dtype=logits.dtype, device=logits.device)
+            temps[idx] = t_vec
+            stab = [batch.params[i].thermostat.mode == "stabilize" for i in wave]
+            if any(stab):
+                h_tempered = tempered_entropy(logits, idx, t_vec, batch).tolist()
+            if h_model is None and not all(stab):
+                h_model = _exact(logits).tolist()
+            for j, i in enumerate(wave):
+                th, rid = batch.params[i].thermostat, batch.request_ids[i]
+                h = max(h_tempered[j] if stab[j] else h_model[i], th.h_min)
+                nxt = next_temperature(t_now[j], h, th.target_entropy, th.eta, th.t_min,
+                                       th.t_max, th.mode)
+                current[rid] = nxt
+                self._pending[i] = (rid, nxt, h)
         return logits, temps
 
     def accept(self, token_ids: torch.Tensor, batch: SamplingBatch) -> None:
-        self._temps.update(self._pending)
+        """Move each request to the temperature after its last committed row."""
+        kept = batch.kept
+        for i in sorted(self._pending):
+            if kept is None or kept[i]:
+                rid, t, h = self._pending[i]
+                self._temps[rid] = t
+                self.last_controlled_entropy[rid] = h
         self._pending = {}
 
     def release(self, request_ids: Sequence[str]) -> None:

@@ -14,10 +14,10 @@ from entropic.engine.block_pool import BlockPool
 from entropic.engine.cost import ChunkWork, Cost, CostModel, dense_work
 from entropic.engine.detokenizer import IncrementalDetokenizer
 from entropic.engine.kv_manager import EVICTED, KVCacheManager
-from entropic.engine.model_runner import ModelOutput, ModelRunner
+from entropic.engine.model_runner import ModelOutput, ModelRunner, verify_rows
 from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
-from entropic.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from entropic.engine.scheduler import DraftPolicy, ScheduledChunk, Scheduler, SchedulerOutput
 from entropic.model.llama import LlamaModel
 from entropic.outputs import EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
@@ -81,14 +81,16 @@ class LLMEngine:
 
     Hooks (all default to a plain engine): `policy` orders queues and picks preemption
     victims; `processors` are sampler-chain elements; `observer` sees every token's entropy;
-    `block_policy` chooses the KV blocks each decode attends and may evict blocks.
+    `block_policy` chooses the KV blocks each decode attends and may evict blocks;
+    `speculator` (entropic.speculative.Speculator) drafts tokens that decode steps verify.
     """
 
     def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig,
                  policy: SchedulingPolicy | None = None,
                  processors: Sequence[LogitsProcessor] = (),
                  observer: TokenObserver | None = None,
-                 block_policy: KVBlockPolicy | None = None) -> None:
+                 block_policy: KVBlockPolicy | None = None,
+                 speculator: DraftPolicy | None = None) -> None:
         self.model = model
         self.model_config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -99,8 +101,10 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, mc.eos_token_ids, policy, block_policy)
+                                   self.max_model_len, mc.eos_token_ids, policy, block_policy,
+                                   speculator)
         self.block_policy = block_policy
+        self.speculator = speculator
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(
             processors, native=getattr(model, "kernels", "torch") == "native"))
         self.stats = EngineStats()
@@ -172,6 +176,8 @@ class LLMEngine:
             self.observer.release(request_ids)
         if self.block_policy is not None:
             self.block_policy.release(request_ids)
+        if self.speculator is not None:
+            self.speculator.release(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -203,7 +209,11 @@ class LLMEngine:
             sched.chunks = [c for c in sched.chunks if c.request_id not in failed]
         done = time.perf_counter()
         self._account(sched, done - now)
-        touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores)
+        if self.speculator is not None and all(c.num_tokens == 1 or c.draft
+                                               for c in sched.chunks):
+            self.speculator.observe_step(result.num_tokens, done - now)
+        touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
+                                        result.accepted)
         if self.block_policy is not None:
             outputs += self._observe_blocks(sched, result)
         self.stats.steps += 1
@@ -244,19 +254,29 @@ class LLMEngine:
             merged.num_tokens += r.num_tokens
             merged.prompt_scores.update(r.prompt_scores)
             merged.block_mass.update(r.block_mass)
+            merged.accepted.update(r.accepted)
         return merged, failed
 
     def _emit(self, req: Request, done: float) -> RequestOutput:
-        """Observe, detokenize and apply stop strings to the token `req` just got."""
-        self.stats.generated_tokens += 1
-        if self.observer is not None:
-            self.observer.observe(req.request_id, req.entropies[-1])
+        """Observe, detokenize and apply stop strings to the tokens `req` just got, one at
+        a time: a stop string in a verify's committed run ends the request there, and the
+        tokens after it are taken back."""
+        n = req.num_new_tokens
         det = self._detok[req.request_id]
-        new = req.token_ids[-1:]
-        delta, stop_str = det.add(new)
-        if stop_str is not None and not req.status.finished:
-            req.stop_reason = stop_str
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        deltas = []
+        for j in range(req.num_tokens - n, req.num_tokens):
+            self.stats.generated_tokens += 1
+            if self.observer is not None:
+                self.observer.observe(req.request_id, req.entropies[j - req.num_prompt_tokens])
+            delta, stop_str = det.add(req.token_ids[j:j + 1])
+            deltas.append(delta)
+            if stop_str is not None and not req.status.finished:
+                req.stop_reason = stop_str
+                self._take_back(req, req.num_tokens - j - 1)
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                break
+        new = req.token_ids[req.num_tokens - len(deltas):]
+        delta = "".join(deltas)
         if req.status.finished:
             req.metrics.finished_time = done
             self.stats.finished += 1
@@ -265,6 +285,17 @@ class LLMEngine:
         if req.status.finished:
             self._release([req.request_id])
         return out
+
+    @staticmethod
+    def _take_back(req: Request, n: int) -> None:
+        """Drop the last n committed tokens (they came after a stop string)."""
+        if n <= 0:
+            return
+        del req.token_ids[-n:], req.entropies[-n:], req.temperatures[-n:]
+        del req.metrics.token_times[-n:]
+        if req.logprobs is not None:
+            del req.logprobs[-n:]
+        req.num_new_tokens -= n
 
     def _fail(self, request_id: str, error: Exception, req: Request | None = None
               ) -> RequestOutput:
@@ -313,6 +344,13 @@ class LLMEngine:
         if ps is not None:
             positions += range(c.start_pos + 1, c.start_pos + 1 + len(ps.logprobs))
             surprisal += [-lp for lp in ps.logprobs]
+        if c.draft:  # the committed tokens only, at the positions after the verified one
+            committed = [*result.accepted.get(c.request_id, []),
+                         result.sampled[c.request_id]][:req.num_new_tokens]
+            positions += range(c.start_pos + 1, c.start_pos + 1 + len(committed))
+            surprisal += [-st.logprob for st in committed]
+            self.block_policy.observe(req, positions, surprisal, None, None)
+            return
         st = result.sampled.get(c.request_id)
         if st is not None and st.logprob is not None:
             positions.append(c.start_pos + c.num_tokens)
@@ -332,6 +370,13 @@ class LLMEngine:
             self.stats.decode_blocks_live += sum(b != EVICTED for b in c.block_table[:num])
             self.stats.decode_blocks_attended += (num if c.attend_blocks is None
                                                   else len(c.attend_blocks))
+        if c.draft:  # every verify row ran the lm_head; rows past the first are "scored"
+            if c.attend_blocks is None:
+                return dense_work(c.request_id, c.start_pos, c.num_tokens, True, len(c.draft))
+            ctx = [decode_context_length(r.attend_blocks, r.start_pos, bs)
+                   for r in verify_rows(c, bs)]
+            return ChunkWork(c.request_id, c.num_tokens, True, sum(ctx), ctx[-1],
+                             len(c.draft))
         if c.attend_blocks is None:
             return dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample,
                               len(c.score_targets or ()))
@@ -370,6 +415,9 @@ class LLMEngine:
             entropic=(self.observer.reading(req.request_id, req.cost)
                       if self.observer is not None else None),
             error=req.error,
+            speculation=(replace(r) if self.speculator is not None
+                         and (r := self.speculator.reading(req.request_id)) is not None
+                         else None),
         )
 
     @torch.inference_mode()

@@ -44,6 +44,17 @@ class KVCacheManager:
         if table:
             self.pool.free([b for b in table if b != EVICTED])
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (a verify's rejected
+        tail)."""
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            self.pool.free([b for b in table[keep:] if b != EVICTED])
+            del table[keep:]
+
     def evict(self, request_id: str, index: int) -> None:
         """Give block `index` of the request's table back to the pool for good."""
         table = self._tables[request_id]

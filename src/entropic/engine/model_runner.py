@@ -4,7 +4,7 @@ The runner never touches queues; the scheduler never touches tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,6 +24,26 @@ DECODE_GROUP_OVERHEAD = 160
 def _is_decode(c: ScheduledChunk) -> bool:
     """One new token after a cached context (a prefill chunk of one token counts too)."""
     return c.num_tokens == 1 and c.start_pos > 0
+
+
+def verify_rows(c: ScheduledChunk, block_size: int) -> list[ScheduledChunk]:
+    """A verify chunk as the decode rows it is made of: row j is the token at position
+    start_pos + j against its context up to there, sampled as output token
+    num_output_tokens + j. Each row is computed exactly as a lone decode at that position
+    would be (the same kernels, the same numbers), so that the tokens it samples are the
+    ones decoding without a draft would have sampled. Under a block policy every row
+    attends the blocks chosen for the first one plus the blocks its own drafted positions
+    reach."""
+    rows = []
+    for j, t in enumerate(c.token_ids):
+        pos = c.start_pos + j
+        attend = c.attend_blocks
+        if attend is not None:
+            attend = attend + list(range(attend[-1] + 1, pos // block_size + 1))
+        rows.append(replace(c, token_ids=[t], start_pos=pos, sample=True,
+                            num_output_tokens=c.num_output_tokens + j, score_targets=None,
+                            attend_blocks=attend, collect_attention=False, draft=[]))
+    return rows
 
 
 def split_by_length(lengths: list[int], overhead: int) -> list[tuple[int, int]]:
@@ -54,6 +74,8 @@ class ModelOutput:
     logits: torch.Tensor | None = None  # [S, V] fp32, rows in the order of sampled requests
     prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
     block_mass: dict[str, list[float]] = field(default_factory=dict)  # per attended block
+    # per verify: the drafted tokens the target accepted, in order, before sampled[id]
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -71,9 +93,16 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor,
                                                         torch.Tensor, AttentionMetadata,
                                                         torch.Tensor]:
-        """Order rows (decodes first), build input ids, positions and attention metadata."""
-        decodes = [c for c in out.chunks if _is_decode(c)]
-        prefills = [c for c in out.chunks if not _is_decode(c)]
+        """Order rows (decodes first, a verify as its decode rows), build input ids,
+        positions and attention metadata."""
+        decodes, prefills = [], []
+        for c in out.chunks:
+            if c.draft:
+                decodes += verify_rows(c, self.block_size)
+            elif _is_decode(c):
+                decodes.append(c)
+            else:
+                prefills.append(c)
         chunks = decodes + prefills
         dev = self.device
         bs = self.block_size
@@ -205,9 +234,22 @@ class ModelRunner:
         scores = self._score_prompts(chunks, logits[len(samplers):])
         logits = logits[:len(samplers)]
         sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, list[SampledToken]] = {}
         if samplers:
+            # per row, the drafted token that must come out of it for the next row of its
+            # verify to count (None: not a verify row, or a verify's last row)
+            firsts = {c.request_id: c.start_pos for c in out.chunks if c.draft}
+            draft_next = None
+            if firsts:
+                drafts = {c.request_id: c.draft for c in out.chunks if c.draft}
+                draft_next = []
+                for c in samplers:
+                    d = drafts.get(c.request_id)
+                    j = c.start_pos - firsts[c.request_id] if d is not None else -1
+                    draft_next.append(d[j] if 0 <= j < len(d) else None)
             batch = SamplingBatch([c.request_id for c in samplers], [c.params for c in samplers],
-                                  [c.num_output_tokens for c in samplers])
+                                  [c.num_output_tokens for c in samplers],
+                                  draft_next=draft_next)
             s = self.sampler(logits, batch)
             toks = s.token_ids.tolist()
             ents = s.entropies.tolist()
@@ -215,15 +257,21 @@ class ModelRunner:
             lps = s.logprobs.tolist()
             tids = s.top_ids.tolist() if s.top_ids is not None else None
             tlps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
+            kept = batch.kept
             for i, c in enumerate(samplers):
+                if kept is not None and not kept[i]:
+                    continue
                 st = SampledToken(toks[i], ents[i], temps[i], lps[i])
                 n = c.params.logprobs
                 if n is not None:
                     st.top_logprobs = dict(zip(tids[i][:n], tlps[i][:n])) if n else {}
+                prev = sampled.get(c.request_id)
+                if prev is not None:  # an accepted drafted token: this row follows it
+                    accepted.setdefault(c.request_id, []).append(prev)
                 sampled[c.request_id] = st
         return ModelOutput(sampled, int(input_ids.shape[0]),
                            logits if self.keep_logits else None, scores,
-                           self._block_mass(chunks[:meta.num_decode], meta))
+                           self._block_mass(chunks[:meta.num_decode], meta), accepted)
 
     def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor
                        ) -> dict[str, PromptScores]:

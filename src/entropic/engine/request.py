@@ -57,6 +57,7 @@ class Request:
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
         self.outputs_at_admission = 0  # output tokens it had when last admitted
         self.admitted_step = 0  # scheduler step of its last admission
+        self.num_new_tokens = 0  # tokens the last scheduler update appended
 
     @property
     def num_tokens(self) -> int:

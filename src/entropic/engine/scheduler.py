@@ -8,7 +8,7 @@ mixed prefill/decode batches come for free. The scheduler never touches tensors;
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from entropic.engine.block_policy import KVBlockPolicy
 from entropic.engine.kv_manager import KVCacheManager
@@ -38,6 +38,10 @@ class ScheduledChunk:
     # each attended block receives.
     attend_blocks: list[int] | None = None
     collect_attention: bool = False
+    # A verify: the decode's pending token is followed by these drafted tokens
+    # (token_ids[1:]); each of the chunk's rows is sampled, and the drafted tokens are
+    # committed while they match what the target model samples.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,23 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
+class DraftPolicy(Protocol):
+    """Hook for speculative decoding (entropic.speculative.Speculator is one)."""
+
+    def propose(self, requests: Sequence[tuple[Request, int]], base_rows: int
+                ) -> dict[str, list[int]]:
+        """Drafted tokens per request id, for decoding requests given with the most tokens
+        each may draft; `base_rows`: the step's decode rows without drafts."""
+        ...
+
+    def commit(self, req: Request, drafted: int, accepted: int, committed: int) -> None:
+        """A decode step of `req` verified `drafted` tokens, of which `accepted` matched;
+        `committed` tokens were appended in all."""
+        ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
 @dataclass
 class PromptScores:
     """Teacher-forced scores of one chunk's `score_targets`."""
@@ -87,7 +108,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Sequence[int] = (),
                  policy: SchedulingPolicy | None = None,
-                 block_policy: KVBlockPolicy | None = None) -> None:
+                 block_policy: KVBlockPolicy | None = None,
+                 draft_policy: DraftPolicy | None = None) -> None:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
@@ -95,6 +117,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy: SchedulingPolicy = policy or FCFSPolicy()
         self.block_policy = block_policy
+        self.draft_policy = draft_policy
         self.num_evicted_blocks = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -170,12 +193,14 @@ class Scheduler:
             req.last_served_step = step
             granted.append((req, n))
             budget -= n
+        drafts = self._drafts(granted, budget) if self.draft_policy is not None else {}
         for req, n in granted:  # after every eviction of this step: tables are final
             start = req.num_computed_tokens
             attend, collect = self._decode_blocks(req, start, n)
+            draft = drafts.get(req.request_id, [])
             out.chunks.append(ScheduledChunk(
                 request_id=req.request_id,
-                token_ids=req.token_ids[start:start + n],
+                token_ids=req.token_ids[start:start + n] + draft,
                 start_pos=start,
                 block_table=list(self.kv.block_table(req.request_id)),
                 sample=start + n == req.num_tokens,
@@ -183,9 +208,47 @@ class Scheduler:
                 num_output_tokens=req.num_output_tokens,
                 score_targets=self._score_targets(req, start, n),
                 attend_blocks=attend,
-                collect_attention=collect,
+                collect_attention=collect and not draft,
+                draft=draft,
             ))
         return out
+
+    def _drafts(self, granted: list[tuple[Request, int]], budget: int) -> dict[str, list[int]]:
+        """Drafted tokens for the decoding requests of this step, within the token budget
+        left and the blocks free now: speculation never preempts or evicts anything."""
+        decoding = [req for req, n in granted if n == 1 and self._is_decoding(req)]
+        if not decoding or budget <= 0:
+            return {}
+        eligible = []
+        for req in decoding:
+            if self.kv.num_evicted(req.request_id):
+                continue  # a multi-row verify reads whole blocks; evicted ones are gone
+            cap = min(req.params.max_tokens - req.num_output_tokens - 1,
+                      self.max_model_len - req.num_tokens - 1)
+            if cap > 0:
+                eligible.append((req, cap))
+        if not eligible:
+            return {}
+        proposed = self.draft_policy.propose(eligible, len(decoding))
+        drafts = {}
+        for req, _ in eligible:
+            draft = proposed.get(req.request_id)
+            if not draft:
+                continue
+            draft = draft[:budget]
+            while draft and not self.kv.allocate(req.request_id,
+                                                 req.num_computed_tokens + 1 + len(draft)):
+                draft = draft[:-1]  # only what fits in the blocks free now
+            if draft:
+                drafts[req.request_id] = draft
+                budget -= len(draft)
+        return drafts
+
+    @staticmethod
+    def _is_decoding(req: Request) -> bool:
+        """One pending output token after a computed context: the next row is a decode."""
+        return (req.num_tokens - req.num_computed_tokens == 1
+                and req.num_computed_tokens >= req.num_prompt_tokens)
 
     def _score_targets(self, req: Request, start: int, n: int) -> list[int] | None:
         """The prompt tokens this chunk predicts, if the request wants prompt logprobs that
@@ -320,16 +383,27 @@ class Scheduler:
         return True
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
-               now: float, prompt_scores: dict[str, PromptScores] | None = None
-               ) -> list[Request]:
+               now: float, prompt_scores: dict[str, PromptScores] | None = None,
+               accepted: dict[str, list[SampledToken]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, apply token-level stops.
+        `accepted`: per verify, the drafted tokens the target accepted, committed before
+        its own sampled token.
 
-        Returns the requests that received a token this step (finished ones included)."""
+        Returns the requests that received tokens this step (finished ones included);
+        each one's `num_new_tokens` says how many."""
         touched: list[Request] = []
+        accepted = accepted or {}
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
+            if chunk.draft:
+                self._commit_verify(req, chunk, accepted.get(chunk.request_id, []),
+                                    sampled[chunk.request_id], now)
+                touched.append(req)
+                continue
+            decoding = (self.draft_policy is not None and chunk.num_tokens == 1
+                        and chunk.start_pos >= req.num_prompt_tokens)
             req.num_computed_tokens += chunk.num_tokens
             if (chunk.score_targets is not None and prompt_scores
                     and req.prompt_logprobs is not None
@@ -338,12 +412,34 @@ class Scheduler:
             if not chunk.sample:
                 continue
             s = sampled[chunk.request_id]
+            req.num_new_tokens = 0
             self._append(req, s, now)
             touched.append(req)
             status = self._check_stop(req, s.token_id)
             if status is not None:
                 self.finish(req.request_id, status)
+            if decoding:
+                self.draft_policy.commit(req, 0, 0, 1)
         return touched
+
+    def _commit_verify(self, req: Request, chunk: ScheduledChunk, accepted: list[SampledToken],
+                       final: SampledToken, now: float) -> None:
+        """Commit a verify's accepted drafted tokens and the target's own next token, one
+        at a time with the usual stops; blocks past the committed tokens go back to the
+        pool (the rejected positions' KV is rewritten when they are computed again)."""
+        req.num_computed_tokens += 1 + len(accepted)
+        req.num_new_tokens = 0
+        status = None
+        for s in [*accepted, final]:
+            self._append(req, s, now)
+            status = self._check_stop(req, s.token_id)
+            if status is not None:
+                break
+        self.draft_policy.commit(req, len(chunk.draft), len(accepted), req.num_new_tokens)
+        if status is not None:
+            self.finish(req.request_id, status)
+        else:
+            self.kv.truncate(req.request_id, req.num_tokens)
 
     @staticmethod
     def _record_prompt(req: Request, chunk: ScheduledChunk, scores: PromptScores) -> None:
@@ -353,6 +449,7 @@ class Scheduler:
 
     @staticmethod
     def _append(req: Request, s: SampledToken, now: float) -> None:
+        req.num_new_tokens += 1
         req.token_ids.append(s.token_id)
         req.entropies.append(s.entropy)
         req.temperatures.append(s.temperature)

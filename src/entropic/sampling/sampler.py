@@ -7,8 +7,14 @@ Order of operations on one step's logits [S, V] (fp32):
    per-row temperatures; they see the full distribution, before any truncation;
 3. temperature, then top-k, top-p, min-p truncate the tempered distribution;
 4. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
-   cumsum, and with a per-request generator the draw depends only on that request's seed.
+   cumsum; a seeded request's E at output position i comes from a generator keyed by
+   (seed, i), so the draw depends only on the seed and the position, never on the batch or
+   on how many positions one step computes (speculative verify rows).
 Greedy rows (temperature 0, or below GREEDY_BELOW) take argmax of the raw logits.
+
+Several rows of one request (a speculative verify) are consecutive, in position order;
+`SamplingBatch.draft_next` says which drafted token each must produce, and `kept` which
+rows count: every row up to and including the first whose token differs from its draft.
 """
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ class SamplingBatch:
     # [S] row maxima of `stats_of` (the raw logits), set when the native statistics ran
     row_max: torch.Tensor | None = None
     stats_of: torch.Tensor | None = None
+    # per row, the drafted token the next row of the same request assumes (None: the
+    # request's last row in this batch); None: no verify rows in the batch
+    draft_next: list[int | None] | None = None
+    # set by the sampler before processors accept: rows whose tokens are committed
+    kept: list[bool] | None = None
 
 
 @dataclass
@@ -121,6 +132,31 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise FloatingPointError("sampler: logits contain NaN or a row with no finite value")
 
 
+def _kept_rows(tokens: list[int], request_ids: list[str],
+               draft_next: list[int | None]) -> list[bool]:
+    """Which rows count: a request's rows until (and with) the first that does not produce
+    the drafted token its next row assumed."""
+    kept, prev, alive = [], None, True
+    for tok, rid, d in zip(tokens, request_ids, draft_next):
+        if rid != prev:
+            prev, alive = rid, True
+        kept.append(alive)
+        if d is not None and tok != d:
+            alive = False
+    return kept
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output position (splitmix64 of both)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Sampler:
     """Samples one token per row. Holds the per-request generators of seeded requests.
 
@@ -165,6 +201,8 @@ class Sampler:
         tokens = argmax if stats is not None and logits is raw else logits.argmax(dim=-1)
         if not bool(greedy.all()):
             tokens = torch.where(greedy, tokens, self._sample(logits, temps, batch))
+        if batch.draft_next is not None:
+            batch.kept = _kept_rows(tokens.tolist(), batch.request_ids, batch.draft_next)
         for proc in self.processors:
             proc.accept(tokens, batch)
 
@@ -234,9 +272,8 @@ class Sampler:
             rid = batch.request_ids[i]
             gen = self._generators.get(rid)
             if gen is None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(batch.params[i].seed)
-                self._generators[rid] = gen
+                gen = self._generators[rid] = torch.Generator(device=device)
+            gen.manual_seed(position_seed(batch.params[i].seed, batch.num_output_tokens[i]))
             noise[i].exponential_(generator=gen)
         # a zero draw would turn 0/0 into NaN, which argmax would pick
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

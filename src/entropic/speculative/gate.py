@@ -1,0 +1,153 @@
+"""The entropy gate: draft where the model is sure, as far as the drafts pay.
+
+Two online estimates (docs/speculative.md states the law and its constants):
+- acceptance a(c, h, m): the chance that a drafted token is accepted given that the ones
+  before it were, per sampling class c (greedy or sampled), bin h of the entropy of the
+  distribution the last committed token was drawn from, and bin m of the suffix-match
+  length that produced the draft. A Beta prior centred on exp(-h) (the most likely token of
+  a distribution with entropy h has probability at least exp(-h)) with weight PRIOR_WEIGHT,
+  updated by every verify: the j-th drafted token is accepted with probability a^j;
+- step time t(R) of a decode step that computes R rows, an exponential moving average per
+  R measured from the engine's own steps (pure decode steps only), made non-decreasing in R
+  and extrapolated linearly beyond the largest R measured, so c(k) = t(R + k) / t(R).
+The rule: with E the tokens a step commits without drafts (one per decoding request) and R
+its rows, the next drafted token, among all requests' candidates the one with the highest
+expected gain g = a^j, is added while g > E * (t(R + 1) / t(R) - 1): it must add more
+expected tokens than the share of the step's tokens that one more row's time would buy.
+The gate is open for a request when its first drafted token clears the bar. As the batch
+grows, E grows, and speculation switches itself off where rows stop being free.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+# Entropy bin edges (nats) of the last committed token's distribution.
+ENTROPY_EDGES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the exp(-h) prior
+PRIOR_MATCH = 0.6  # the prior's share for a prompt-lookup match (the draft may be wrong
+#                    even where the model is sure)
+EMA = 0.2  # weight of a new step-time measurement
+MAX_ROWS_TRACKED = 256
+# Before a step with more rows has been measured: one more row costs this share of a row
+# measured so far (a weight-streaming-bound decode step is nearly free to widen).
+PRIOR_ROW_COST = 0.05
+
+
+def entropy_bin(h: float) -> int:
+    return bisect.bisect_right(ENTROPY_EDGES, h)
+
+
+def bin_label(b: int) -> str:
+    lo = ENTROPY_EDGES[b - 1] if b > 0 else 0.0
+    hi = ENTROPY_EDGES[b] if b < len(ENTROPY_EDGES) else math.inf
+    return f"[{lo:g}, {hi:g})"
+
+
+@dataclass
+class _Counts:
+    tries: float = 0.0  # drafted tokens that were tested (up to and including a rejection)
+    accepted: float = 0.0
+
+
+@dataclass
+class StepTimes:
+    """EMA seconds of pure decode steps by number of rows."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, rows: int, seconds: float) -> None:
+        if not 0 < rows <= MAX_ROWS_TRACKED or not seconds > 0:
+            return
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def time(self, rows: int) -> float | None:
+        """t(rows): measured (made non-decreasing), interpolated or extrapolated; None
+        before any measurement."""
+        if not self.seconds:
+            return None
+        known = sorted(self.seconds)
+        mono, run = [], 0.0
+        for r in known:
+            run = max(run, self.seconds[r])
+            mono.append(run)
+        if rows in self.seconds:
+            return mono[known.index(rows)]
+        i = bisect.bisect_left(known, rows)
+        if i == 0:
+            return mono[0]
+        if i < len(known):  # between two measurements
+            r0, r1 = known[i - 1], known[i]
+            w = (rows - r0) / (r1 - r0)
+            return mono[i - 1] + w * (mono[i] - mono[i - 1])
+        # beyond the largest: the slope of the last two points, or a prior one per row
+        slope = ((mono[-1] - mono[-2]) / (known[-1] - known[-2]) if len(known) > 1
+                 else PRIOR_ROW_COST * mono[-1] / known[-1])
+        return mono[-1] + max(slope, 0.0) * (rows - known[-1])
+
+    def ratio(self, rows: int, more: int = 1) -> float:
+        """t(rows + more) / t(rows)."""
+        base = self.time(rows)
+        if base is None:
+            return 1.0 + PRIOR_ROW_COST * more / rows
+        return self.time(rows + more) / base
+
+
+class AcceptanceModel:
+    """Online acceptance estimates by (greedy?, entropy bin, match-length bin)."""
+
+    def __init__(self, max_match: int) -> None:
+        self.max_match = max_match
+        self._counts: dict[tuple[bool, int, int], _Counts] = {}
+
+    def key(self, greedy: bool, entropy: float, match: int) -> tuple[bool, int, int]:
+        return greedy, entropy_bin(entropy), min(match, self.max_match)
+
+    def rate(self, key: tuple[bool, int, int]) -> float:
+        greedy, hb, _ = key
+        edges = (0.0, *ENTROPY_EDGES)
+        h_mid = (edges[hb] + edges[hb + 1]) / 2 if hb + 1 < len(edges) else edges[hb]
+        prior = PRIOR_MATCH * math.exp(-h_mid) * (1.0 if greedy else 0.8)
+        c = self._counts.get(key)
+        if c is None:
+            return prior
+        return (c.accepted + PRIOR_WEIGHT * prior) / (c.tries + PRIOR_WEIGHT)
+
+    def observe(self, key: tuple[bool, int, int], drafted: int, accepted: int) -> None:
+        c = self._counts.setdefault(key, _Counts())
+        c.tries += min(accepted + 1, drafted)
+        c.accepted += accepted
+
+
+@dataclass
+class Candidate:
+    """One request that could draft this step."""
+
+    request_id: str
+    key: tuple[bool, int, int]
+    max_tokens: int  # draft tokens available and allowed
+
+
+def plan(candidates: list[Candidate], rates: dict[str, float], times: StepTimes,
+         base_rows: int, base_tokens: int) -> dict[str, int]:
+    """Draft length per request by the threshold rule (see the module docstring)."""
+    k = {c.request_id: 0 for c in candidates}
+    if base_rows <= 0:
+        return k
+    gains = {c.request_id: rates[c.request_id] for c in candidates}
+    limit = {c.request_id: c.max_tokens for c in candidates}
+    rows, tokens = base_rows, float(base_tokens)
+    while True:
+        best, best_gain = None, 0.0
+        for rid, kk in k.items():
+            if kk < limit[rid]:
+                g = gains[rid] ** (kk + 1)
+                if g > best_gain:
+                    best, best_gain = rid, g
+        if best is None or best_gain <= tokens * (times.ratio(rows) - 1.0):
+            return k
+        k[best] += 1
+        rows += 1
+        tokens += best_gain

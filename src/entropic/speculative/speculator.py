@@ -1,0 +1,150 @@
+"""The engine's speculation hook: drafts per step, and what came of them.
+
+The scheduler asks `propose` once per step for the requests that decode (with how many
+tokens each may draft); the model runner verifies every draft in the same pass as the
+other rows; the scheduler reports each verify back through `commit`. Counters follow vLLM's
+definitions: a draft is one request's drafted run in one step, acceptance rate is accepted
+over drafted tokens, mean acceptance length is 1 + accepted / drafts, and a step where the
+gate stays shut drafts nothing and counts as no rejection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from entropic.engine.request import Request
+from entropic.outputs import SpeculationReading
+from entropic.speculative.config import SpeculativeConfig
+from entropic.speculative.gate import (AcceptanceModel, Candidate, StepTimes, bin_label,
+                                       entropy_bin, plan)
+from entropic.speculative.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    def propose(self, request_id: str, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k drafted tokens after `tokens`, and the match length behind them."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass
+class SpeculationStats(SpeculationReading):
+    """Engine-wide counters, with the gate's view."""
+
+    gate_checks: int = 0  # request-steps where a draft was possible
+    gate_open: int = 0  # of those, the ones that drafted
+    rows_computed: int = 0  # decode and verify rows
+    # per entropy bin: [drafted tokens, accepted tokens]
+    by_entropy: dict[str, list[int]] = field(default_factory=dict)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def gate_open_rate(self) -> float:
+        return self.gate_open / self.gate_checks if self.gate_checks else 0.0
+
+    @property
+    def wasted_fraction(self) -> float:
+        """Share of decode rows whose work was thrown away (rejected drafted tokens)."""
+        rejected = self.drafted_tokens - self.accepted_tokens
+        return rejected / self.rows_computed if self.rows_computed else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "decode_steps": self.decode_steps, "drafts": self.drafts,
+            "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+            "committed_tokens": self.committed_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "tokens_per_forward": self.tokens_per_forward,
+            "gate_checks": self.gate_checks, "gate_open": self.gate_open,
+            "gate_open_rate": self.gate_open_rate, "wasted_fraction": self.wasted_fraction,
+            "by_entropy": {k: {"drafted": d, "accepted": a, "rate": a / d if d else 0.0}
+                           for k, (d, a) in sorted(self.by_entropy.items())},
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+class Speculator:
+    """Drafter + entropy gate + counters, for one engine."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min,
+                                                            config.prompt_lookup_max)
+        self.acceptance = AcceptanceModel(config.prompt_lookup_max)
+        self.times = StepTimes()
+        self.stats = SpeculationStats()
+        self._requests: dict[str, SpeculationReading] = {}
+        self._keys: dict[str, tuple[bool, int, int]] = {}  # the key of this step's draft
+
+    def propose(self, requests: Sequence[tuple[Request, int]], base_rows: int
+                ) -> dict[str, list[int]]:
+        """Drafts for this step: `requests` are the decoding requests with the most tokens
+        each may draft; `base_rows` the rows the step computes without drafts."""
+        cfg = self.config
+        self._keys = {}
+        if cfg.disable_by_batch_size is not None and len(requests) >= cfg.disable_by_batch_size:
+            return {}
+        drafts, cands, rates = {}, [], {}
+        for req, cap in requests:
+            k = min(cap, cfg.num_speculative_tokens)
+            if k <= 0 or not req.entropies:
+                continue
+            draft, match = self.proposer.propose(req.request_id, req.token_ids, k)
+            if not draft:
+                continue
+            self.stats.gate_checks += 1
+            greedy = req.params.greedy and req.params.thermostat is None
+            key = self.acceptance.key(greedy, req.entropies[-1], match)
+            self._keys[req.request_id] = key
+            drafts[req.request_id] = draft
+            cands.append(Candidate(req.request_id, key, len(draft)))
+            rates[req.request_id] = self.acceptance.rate(key)
+        if cfg.gate == "fixed":
+            lengths = {c.request_id: c.max_tokens for c in cands}
+        else:
+            lengths = plan(cands, rates, self.times, base_rows, len(requests))
+        out = {rid: drafts[rid][:n] for rid, n in lengths.items() if n > 0}
+        self.stats.gate_open += len(out)
+        return out
+
+    def commit(self, req: Request, drafted: int, accepted: int, committed: int) -> None:
+        """A decode step of `req` verified `drafted` tokens, accepted `accepted` of them and
+        committed `committed` tokens in all (fewer than accepted + 1 where a stop came)."""
+        r = self._requests.setdefault(req.request_id, SpeculationReading())
+        for s in (r, self.stats):
+            s.decode_steps += 1
+            s.committed_tokens += committed
+            if drafted:
+                s.drafts += 1
+                s.drafted_tokens += drafted
+                s.accepted_tokens += accepted
+        self.stats.rows_computed += 1 + drafted
+        if not drafted:
+            return
+        key = self._keys.get(req.request_id)
+        if key is not None:
+            self.acceptance.observe(key, drafted, accepted)
+            d_a = self.stats.by_entropy.setdefault(bin_label(key[1]), [0, 0])
+            d_a[0] += drafted
+            d_a[1] += accepted
+        pos = self.stats.accepted_per_position
+        pos.extend([0] * (drafted - len(pos)))
+        for j in range(accepted):
+            pos[j] += 1
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """The wall time of a step that computed only decode and verify rows."""
+        self.times.record(rows, seconds)
+
+    def reading(self, request_id: str) -> SpeculationReading | None:
+        return self._requests.get(request_id)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+            self._keys.pop(rid, None)
+            self.proposer.release(rid)
+
+

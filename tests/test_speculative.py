@@ -1,0 +1,277 @@
+"""Speculative decoding: drafting, the entropy gate, and exactness against plain decoding.
+
+Exactness is checked on the real model (bf16, native kernels): greedy and seeded sampled
+token ids identical with speculation on and off, alone and in mixed batches, with the
+thermostat, stops inside an accepted run, and KV rollback under random acceptance lengths.
+The sampler's acceptance rule is checked on tiny vocabularies against the exact
+distributions (chi-square).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from entropic import SamplingParams
+from entropic.config import EngineConfig
+from entropic.control.clock import EntropicClock
+from entropic.control.thermostat import Thermostat
+from entropic.engine.engine import LLMEngine
+from entropic.sampling.sampler import Sampler, SamplingBatch
+from entropic.sampling_params import ThermostatParams
+from entropic.speculative import SpeculativeConfig, Speculator
+from entropic.speculative.gate import Candidate, StepTimes, entropy_bin, plan
+from entropic.speculative.ngram import NgramProposer
+
+# prompts that repeat themselves (drafts get accepted) and one that does not
+REPEATS = [
+    "Repeat this sentence three times: the cat sat on the mat and looked at the door.",
+    "Copy this list exactly: apples, pears, plums, cherries, apples, pears, plums, grapes.",
+    "Rewrite with the same words: def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    "    return a - b",
+    "Name four animals.",
+]
+
+
+def _engine(llm, spec: SpeculativeConfig | None, proposer=None, **config) -> LLMEngine:
+    """An engine on the session model's weights, with its own KV cache and hooks."""
+    cfg = dict(max_num_batched_tokens=256, kv_cache_gib=0.25)
+    cfg.update(config)
+    speculator = Speculator(spec, proposer) if spec is not None else None
+    return LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(**cfg),
+                     processors=[Thermostat()], observer=EntropicClock(),
+                     speculator=speculator)
+
+
+def _run(engine: LLMEngine, prompts, params) -> list:
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    outs = {o.request_id: o for o in engine.run_until_done()}
+    assert engine.pool.num_used == 0, "blocks leaked"
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def prompts(llm_bf16):
+    tok = llm_bf16.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in REPEATS]
+
+
+# ---- drafting and the gate ------------------------------------------------------------
+def test_ngram_drafts_follow_the_latest_longest_match():
+    p = NgramProposer(1, 3)
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # suffix (2, 3) last seen followed by 7: continue from there
+    assert p.propose("a", toks, 3) == ([7, 8, 5], 2)
+    toks += [7]  # suffix (2, 3, 7) now matches at length 3
+    assert p.propose("a", toks, 2) == ([8, 5], 3)
+    assert p.propose("b", [4, 5, 6], 4) == ([], 0)
+    assert NgramProposer(2, 2).propose("c", [5, 5, 5], 4) == ([5], 2)  # run up to the end
+
+
+def test_gate_drafts_where_rows_pay_and_stops_where_they_do_not():
+    times = StepTimes()
+    for rows, t in ((1, 10.0), (2, 10.2), (3, 10.4), (4, 10.6), (9, 11.6)):
+        times.record(rows, t)
+    sure = Candidate("a", (True, 0, 5), 8)
+    k = plan([sure], {"a": 0.9}, times, base_rows=1, base_tokens=1)
+    assert k["a"] == 8  # 0.9^8 = 0.43 beats the ~2 % a row costs
+    assert plan([sure], {"a": 0.01}, times, 1, 1)["a"] == 0  # an unsure draft never pays
+    # at 64 rows each further row costs what it buys: one 0.3 candidate among many shuts
+    busy = StepTimes()
+    for rows in range(60, 70):
+        busy.record(rows, rows * 1.0)
+    assert plan([Candidate("b", (True, 1, 2), 8)], {"b": 0.3}, busy, 64, 64)["b"] == 0
+    assert entropy_bin(0.0) == 0 and entropy_bin(10.0) == 6
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="model="):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+
+
+# ---- the acceptance rule on tiny vocabularies ---------------------------------------------
+def _verify_draws(logits: torch.Tensor, draft: int, params: SamplingParams, trials: int):
+    """Each trial: one request verifying one drafted token over two rows (logits[0] at the
+    pending position, logits[1] after the draft). Returns the committed tokens per trial."""
+    rows = logits.repeat(trials, 1)
+    batch = SamplingBatch([f"t{i // 2}" for i in range(2 * trials)], [params] * (2 * trials),
+                          [i % 2 for i in range(2 * trials)],
+                          draft_next=[draft if i % 2 == 0 else None for i in range(2 * trials)])
+    toks = Sampler()(rows, batch).token_ids.view(trials, 2).tolist()
+    kept = torch.tensor(batch.kept).view(trials, 2)
+    assert kept[:, 0].all()
+    return toks, kept[:, 1].tolist()
+
+
+def _check(counts: list[int], probs: torch.Tensor) -> None:
+    n = sum(counts)
+    support = [i for i, p in enumerate(probs.tolist()) if p > 0]
+    assert all(counts[i] == 0 for i in range(len(counts)) if i not in support)
+    if len(support) > 1:
+        mass = sum(float(probs[i]) for i in support)
+        _, pval = chisquare([counts[i] for i in support],
+                            [n * float(probs[i]) / mass for i in support])
+        assert pval > 1e-4, (counts, probs)
+
+
+@pytest.mark.parametrize("case", ["plain", "top_p_removes_draft", "draft_prob_zero", "greedy"])
+def test_committed_tokens_follow_the_target_distribution(case):
+    torch.manual_seed(0)
+    l0 = torch.tensor([[1.0, 0.2, -0.5, 0.7, -2.0]])
+    l1 = torch.tensor([[-1.0, 0.5, 0.5, 0.0, 1.2]])
+    params, draft = SamplingParams(temperature=0.8), 3
+    p0 = torch.softmax(l0[0] / 0.8, -1)
+    if case == "top_p_removes_draft":
+        params = SamplingParams(temperature=1.0, top_p=0.6)
+        p0 = torch.softmax(l0[0], -1)
+        order = p0.argsort(descending=True)
+        mass_before = torch.cumsum(p0[order], 0) - p0[order]
+        keep = torch.zeros(5, dtype=torch.bool)
+        keep[order[mass_before < 0.6]] = True
+        draft = int(order[-1])  # the least likely token: removed by top-p
+        assert not keep[draft]
+        p0 = torch.where(keep, p0, 0.0) / p0[keep].sum()
+    elif case == "draft_prob_zero":
+        l0 = l0.clone()
+        l0[0, 3] = float("-inf")
+        p0 = torch.softmax(l0[0] / 0.8, -1)
+    elif case == "greedy":
+        params = SamplingParams(temperature=0.0)
+        draft = 0
+        p0 = torch.nn.functional.one_hot(l0[0].argmax(), 5).float()
+    logits = torch.cat([l0, l1])
+    toks, second_kept = _verify_draws(logits, draft, params, 100_000)
+    first = [t[0] for t in toks]
+    _check([first.count(v) for v in range(5)], p0)
+    # the second row counts exactly when the first produced the draft ...
+    assert second_kept == [f == draft for f in first]
+    # ... and then follows the second distribution
+    seconds = [t[1] for t, k in zip(toks, second_kept) if k]
+    if case in ("top_p_removes_draft", "draft_prob_zero"):
+        assert not seconds  # a draft the target cannot produce is never accepted
+    else:
+        p1 = (torch.softmax(l1[0] / params.temperature, -1) if params.temperature
+              else torch.nn.functional.one_hot(l1[0].argmax(), 5).float())
+        _check([seconds.count(v) for v in range(5)], p1)
+
+
+# ---- exactness on the real model ----------------------------------------------------------
+FIXED = SpeculativeConfig(gate="fixed", num_speculative_tokens=6, prompt_lookup_min=1)
+GATED = SpeculativeConfig()
+
+
+@pytest.mark.parametrize("spec", [FIXED, GATED], ids=["fixed", "gated"])
+def test_greedy_ids_identical_alone_and_mixed(llm_bf16, prompts, spec):
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    plain = _engine(llm_bf16, None)
+    refs = [_run(plain, [p], greedy)[0] for p in prompts]
+    fast = _engine(llm_bf16, spec)
+    for p, ref in zip(prompts, refs):
+        assert _run(fast, [p], greedy)[0].token_ids == ref.token_ids
+    # mixed: all at once, a sampled request among them, a small budget mixing prefill in
+    mixed = _engine(llm_bf16, spec, max_num_batched_tokens=40)
+    params = [greedy] * len(prompts) + [SamplingParams(temperature=1.0, max_tokens=20)]
+    outs = _run(mixed, prompts + [prompts[0]], params)
+    assert [o.token_ids for o in outs[:-1]] == [r.token_ids for r in refs]
+    st = fast.speculator.stats
+    assert st.accepted_tokens > 0 and st.committed_tokens > st.decode_steps
+    assert outs[0].speculation is not None and outs[0].speculation.decode_steps > 0
+
+
+def test_seeded_sampling_and_thermostat_identical(llm_bf16, prompts):
+    th = ThermostatParams(target_entropy=1.0, t_min=0.3, t_max=1.5)
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=40),
+              SamplingParams(temperature=0.8, seed=12, max_tokens=40, top_p=0.9),
+              SamplingParams(temperature=1.0, seed=13, max_tokens=40, thermostat=th),
+              SamplingParams(temperature=0.8, seed=14, max_tokens=40, top_k=5)]
+    ref = _run(_engine(llm_bf16, None), prompts, params)
+    fast = _engine(llm_bf16, FIXED)
+    got = _run(fast, prompts, params)
+    for r, g in zip(ref, got):
+        assert g.token_ids == r.token_ids
+        assert g.temperatures == r.temperatures  # the thermostat stepped per position
+        assert g.entropies == pytest.approx(r.entropies, abs=1e-4)
+        assert g.entropic.tau == pytest.approx(r.entropic.tau, abs=1e-3)
+    assert fast.speculator.stats.accepted_tokens > 0
+
+
+def test_stops_inside_an_accepted_run(llm_bf16, prompts):
+    """max_tokens, a stop token and a stop string that fall inside a run of accepted drafted
+    tokens end the request exactly where plain decoding ends it."""
+    p = prompts[1]
+    (ref,) = _run(_engine(llm_bf16, None), [p], SamplingParams(temperature=0, max_tokens=40))
+    text = ref.text
+    word = text.split()[len(text.split()) // 2]
+    stop_tok = ref.token_ids[len(ref.token_ids) // 2]
+    cases = [SamplingParams(temperature=0, max_tokens=n) for n in (3, 7, 13)]
+    cases += [SamplingParams(temperature=0, max_tokens=40, stop=[word]),
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok]),
+              SamplingParams(temperature=0, max_tokens=40, stop=[word], logprobs=2,
+                             include_stop_str_in_output=True)]
+    plain = _run(_engine(llm_bf16, None), [p] * len(cases), cases)
+    fast = _run(_engine(llm_bf16, FIXED), [p] * len(cases), cases)
+    for a, b in zip(plain, fast):
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+            (a.token_ids, a.text, a.finish_reason, a.stop_reason)
+        assert len(b.entropies) == len(b.token_ids) == len(b.metrics.token_times)
+        if a.logprobs is not None:
+            assert [x.token_id for x in b.logprobs] == [x.token_id for x in a.logprobs]
+
+
+class _Oracle:
+    """Drafts the true greedy continuation, corrupted at random places: random acceptance
+    lengths, from 0 to the whole draft."""
+
+    def __init__(self, refs: dict[tuple, list[int]], seed: int) -> None:
+        self.refs = refs
+        self.rng = random.Random(seed)
+
+    def propose(self, request_id, tokens, k):
+        for prompt, full in self.refs.items():
+            n = len(prompt)
+            if tuple(tokens[:n]) == prompt and full[:len(tokens)] == tokens:
+                draft = full[len(tokens):len(tokens) + self.rng.randint(1, k)]
+                if draft and self.rng.random() < 0.6:
+                    draft[self.rng.randrange(len(draft))] = self.rng.randrange(100, 30000)
+                return draft, 3
+        return [], 0
+
+    def release(self, request_id):
+        pass
+
+
+def test_kv_rollback_fuzz_no_leaked_or_stale_blocks(llm_bf16, prompts):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _run(_engine(llm_bf16, None), prompts, greedy)
+    refs = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    for seed in range(3):
+        eng = _engine(llm_bf16, FIXED, _Oracle(refs, seed), num_kv_blocks=40)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, greedy)
+        finals = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    finals[o.request_id] = o
+            held = 0
+            for req in eng.scheduler.requests.values():
+                table = eng.kv.block_table(req.request_id)
+                assert len(table) <= eng.kv.blocks_needed(req.num_tokens), "stale blocks"
+                held += len(table)
+            assert eng.pool.num_used == held, "leaked blocks"
+        assert eng.pool.num_used == 0
+        assert [finals[f"r{i}"].token_ids for i in range(len(prompts))] == \
+            [o.token_ids for o in plain]
+        st = eng.speculator.stats
+        assert 0 < st.accepted_tokens < st.drafted_tokens
