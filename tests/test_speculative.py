@@ -275,3 +275,68 @@ def test_kv_rollback_fuzz_no_leaked_or_stale_blocks(llm_bf16, prompts):
             [o.token_ids for o in plain]
         st = eng.speculator.stats
         assert 0 < st.accepted_tokens < st.drafted_tokens
+
+
+# ---- visible in the server -----------------------------------------------------------------
+def test_server_speculates_and_reports_it(llm_bf16, prompts):
+    """`entropic serve --speculative-method ngram`: the same greedy ids as the engine without
+    speculation (streamed and not), the request's speculation in the `entropic` block, and
+    the spec_decode gauges in /metrics."""
+    import json
+
+    import httpx
+
+    from serving import ServerProcess
+
+    (ref,) = _run(_engine(llm_bf16, None), [prompts[1]],
+                  SamplingParams(temperature=0, max_tokens=40))
+    body = {"model": "m", "prompt": prompts[1], "max_tokens": 40, "temperature": 0,
+            "entropic": {"entropy": True}}
+    with ServerProcess("--threads", "2", "--speculative-method", "ngram",
+                       "--speculative-gate", "fixed", "--served-model-name", "m",
+                       "--log-level", "warning") as srv:
+        r = httpx.post(srv.base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == ref.text
+        spec = choice["entropic"]["speculation"]
+        assert spec["accepted_tokens"] > 0 and spec["tokens_per_forward"] > 1
+        text = ""
+        with httpx.stream("POST", srv.base + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == ref.text
+        metrics = httpx.get(srv.base + "/metrics", timeout=10).text
+        accepted = [ln for ln in metrics.splitlines()
+                    if ln.startswith("entropic_spec_decode_num_accepted_tokens ")]
+        assert accepted and float(accepted[0].split()[1]) >= 2 * spec["accepted_tokens"]
+        assert "entropic_spec_decode_acceptance_by_entropy{" in metrics
+
+
+def test_draft_model_drafts_exactly(llm_bf16, prompts):
+    """The local model's int4 weights draft for its bf16 self (the only smaller model with
+    the same tokenizer at hand): same greedy ids, most drafts accepted; a draft model whose
+    tokenizer differs is refused."""
+    from entropic.model.loader import default_model_path
+    from entropic.speculative.draft_model import make_proposer
+
+    spec = SpeculativeConfig(method="draft_model", model=default_model_path(),
+                             draft_quantization="int4", num_speculative_tokens=4, gate="fixed")
+    proposer = make_proposer(spec, llm_bf16.tokenizer)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    ref = _run(_engine(llm_bf16, None), prompts[1:3], greedy)
+    eng = _engine(llm_bf16, spec, proposer)
+    got = _run(eng, prompts[1:3], greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    st = eng.speculator.stats
+    assert st.acceptance_rate > 0.5, st.as_dict()
+    assert proposer.kv.pool.num_used == 0  # finished requests' draft KV is released
+
+    class OtherTokenizer:
+        def encode(self, text):
+            return [len(text)]
+
+    with pytest.raises(ValueError, match="tokenizer does not match"):
+        make_proposer(spec, OtherTokenizer())

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from entropic.speculative.config import add_speculative_args, speculative_from_args
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -24,6 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_speculative_args(p)
 
 
 def _build(args):
@@ -35,7 +38,8 @@ def _build(args):
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              kernels=args.kernels, progress=True, max_model_len=None)
+              kernels=args.kernels, progress=True, max_model_len=None,
+              speculative_config=speculative_from_args(args))
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -65,8 +69,13 @@ def cmd_generate(args) -> int:
         dt = time.perf_counter() - t0
         ents = out.entropies
         mean_h = sum(ents) / len(ents) if ents else float("nan")
+        spec = out.speculation
+        extra = (f", {spec.tokens_per_forward:.2f} tokens per forward pass, "
+                 f"{spec.accepted_tokens}/{spec.drafted_tokens} drafted tokens accepted"
+                 if spec is not None else "")
         print(f"[{n} tokens in {dt:.2f}s, {n / dt:.1f} tok/s, TTFT {out.metrics.ttft:.3f}s, "
-              f"finish={out.finish_reason}, mean entropy {mean_h:.3f} nats]", file=sys.stderr)
+              f"finish={out.finish_reason}, mean entropy {mean_h:.3f} nats{extra}]",
+              file=sys.stderr)
     return 0
 
 

@@ -194,6 +194,7 @@ class LLMEngine:
         block observation, its detokenization) finishes with finish_reason "error" and
         its blocks freed; the other requests of the step go on. An exception in the
         scheduler itself is an engine bug and propagates."""
+        began = time.perf_counter()
         sched: SchedulerOutput = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.execute(sched)  # still releases finished requests' sampler state
@@ -211,7 +212,8 @@ class LLMEngine:
         self._account(sched, done - now)
         if self.speculator is not None and all(c.num_tokens == 1 or c.draft
                                                for c in sched.chunks):
-            self.speculator.observe_step(result.num_tokens, done - now)
+            # the whole step, drafting included: what one more drafted row really costs
+            self.speculator.observe_step(result.num_tokens, done - began)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
                                         result.accepted)
         if self.block_policy is not None:

@@ -9,6 +9,8 @@ import argparse
 import os
 import sys
 
+from entropic.speculative.config import add_speculative_args, speculative_from_args
+
 API_KEY_ENV = "ENTROPIC_API_KEY"
 # After the engine loop dies the server answers for this long (503s, /health saying why)
 # before it exits 1, so that a probe or a person reading /health sees the cause.
@@ -67,6 +69,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pruning", action="store_true",
                    help="entropic KV-block pruning in decode attention (default PruningConfig)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_speculative_args(p)
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
 
@@ -134,7 +137,8 @@ def serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
               scheduling=args.scheduling,
-              pruning=PruningConfig() if args.pruning else None)
+              pruning=PruningConfig() if args.pruning else None,
+              speculative_config=speculative_from_args(args))
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
 
     failed: list[BaseException] = []

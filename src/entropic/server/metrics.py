@@ -22,6 +22,19 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TOKEN_WINDOW = 512  # recent sampled tokens behind the mean-entropy / temperature gauges
 TAU_WINDOW_S = 30.0  # seconds behind the tau-rate gauge
+# speculative decoding, counted as vLLM counts it (cumulative since start)
+SPEC_GAUGES = (
+    ("num_drafts", "drafts", "Verified drafts (one request's drafted run in one step)"),
+    ("num_draft_tokens", "drafted_tokens", "Drafted tokens verified"),
+    ("num_accepted_tokens", "accepted_tokens", "Drafted tokens accepted"),
+    ("acceptance_rate", "acceptance_rate", "Accepted over drafted tokens"),
+    ("mean_acceptance_length", "mean_acceptance_length",
+     "Tokens committed per verified draft"),
+    ("tokens_per_forward", "tokens_per_forward", "Tokens committed per decode forward pass"),
+    ("gate_open_rate", "gate_open_rate",
+     "Share of request-steps with a possible draft where the entropy gate drafted"),
+    ("wasted_fraction", "wasted_fraction", "Share of decode rows spent on rejected drafts"),
+)
 
 
 def pruned_block_fraction(stats) -> float | None:
@@ -86,6 +99,15 @@ class ServerMetrics:
         if hasattr(engine.stats, "blocks_evicted"):
             self.evicted = Gauge(p + "kv_blocks_evicted", "KV blocks evicted for good by the "
                                  "pruner under memory pressure, since start", registry=r)
+        self.spec = None
+        if getattr(engine, "speculator", None) is not None:
+            # gauge name -> (key of SpeculationStats.as_dict(), help)
+            self.spec = {name: (key, Gauge(p + "spec_decode_" + name, text, registry=r))
+                         for name, key, text in SPEC_GAUGES}
+            self.spec_by_entropy = Gauge(p + "spec_decode_acceptance_by_entropy",
+                                         "Acceptance rate of drafted tokens by entropy bin "
+                                         "(nats) of the last committed token", ["bin"],
+                                         registry=r)
         info = Gauge(p + "model_info", "The served model", ["model"], registry=r)
         info.labels(model=model_name).set(1)
         self._lock = threading.Lock()  # guards the two windows below
@@ -93,13 +115,15 @@ class ServerMetrics:
         self._tau: deque[tuple[float, float]] = deque()
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Engine thread, after each step: every output carries exactly one new token."""
+        """Engine thread, after each step: each output carries its new tokens (several
+        where a speculative draft was accepted)."""
         now = time.perf_counter()
-        self.generated.inc(len(outputs))
+        self.generated.inc(sum(len(o.new_token_ids) for o in outputs))
         with self._lock:
             for o in outputs:
-                if o.entropies:
-                    self._tokens.append((o.entropies[-1], o.temperatures[-1]))
+                n = len(o.new_token_ids)
+                if n and o.entropies:
+                    self._tokens.extend(zip(o.entropies[-n:], o.temperatures[-n:]))
             self._tau.append((now, engine.stats.tau))
             while self._tau and self._tau[0][0] < now - TAU_WINDOW_S:
                 self._tau.popleft()
@@ -142,4 +166,10 @@ class ServerMetrics:
             self.pruned_fraction.set(pruned_block_fraction(stats))
         if self.evicted is not None:
             self.evicted.set(stats.blocks_evicted)
+        if self.spec is not None:
+            d = self.engine.speculator.stats.as_dict()
+            for key, gauge in self.spec.values():
+                gauge.set(d[key])
+            for label, row in d["by_entropy"].items():
+                self.spec_by_entropy.labels(bin=label).set(row["rate"])
         return generate_latest(self.registry)

@@ -71,6 +71,14 @@ def entropic_block(out: RequestOutput, start: int, final: bool) -> dict:
         r = out.entropic
         block.update(tau=r.tau, mean_entropy=r.mean_entropy, tau_per_tflop=r.tau_per_tflop,
                      tau_per_second=r.tau_per_second)
+    if final and out.speculation is not None:
+        sp = out.speculation
+        block["speculation"] = {
+            "drafted_tokens": sp.drafted_tokens, "accepted_tokens": sp.accepted_tokens,
+            "drafts": sp.drafts, "decode_steps": sp.decode_steps,
+            "acceptance_rate": sp.acceptance_rate,
+            "mean_acceptance_length": sp.mean_acceptance_length,
+            "tokens_per_forward": sp.tokens_per_forward}
     return block
 
 

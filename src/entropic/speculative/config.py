@@ -55,3 +55,37 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer or None, got {b!r}")
+
+
+def add_speculative_args(p) -> None:
+    """`--speculative-*` options of `entropic generate`, `chat` and `serve`."""
+    p.add_argument("--speculative-method", choices=METHODS, default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft_model "
+                        "(default: off)")
+    p.add_argument("--speculative-num-tokens", type=int, default=8,
+                   help="most tokens drafted per request and step (default 8)")
+    p.add_argument("--speculative-lookup-min", type=int, default=2,
+                   help="shortest suffix match prompt lookup drafts from (default 2)")
+    p.add_argument("--speculative-lookup-max", type=int, default=5,
+                   help="longest suffix match prompt lookup tries first (default 5)")
+    p.add_argument("--speculative-model", default=None,
+                   help="draft_model: a smaller local model with the same tokenizer")
+    p.add_argument("--speculative-quantization", choices=("int8", "int4"), default=None,
+                   help="draft_model: weight-only quantized draft")
+    p.add_argument("--speculative-gate", choices=GATES, default="entropy",
+                   help="entropy (default): draft where the expected accepted tokens pay "
+                        "for the verify rows; fixed: always draft the most tokens")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="no drafting when this many requests decode at once")
+
+
+def speculative_from_args(args) -> SpeculativeConfig | None:
+    """The SpeculativeConfig the `--speculative-*` options ask for (None: off)."""
+    if args.speculative_method is None:
+        return None
+    return SpeculativeConfig(
+        method=args.speculative_method, num_speculative_tokens=args.speculative_num_tokens,
+        prompt_lookup_min=args.speculative_lookup_min,
+        prompt_lookup_max=args.speculative_lookup_max, model=args.speculative_model,
+        draft_quantization=args.speculative_quantization, gate=args.speculative_gate,
+        disable_by_batch_size=args.speculative_disable_by_batch_size)
