@@ -1,4 +1,7 @@
-"""entropic's native CPU kernels against the torch formulas they replace, and in the engine."""
+"""entropic's native CPU kernels against the torch formulas they replace, and in the engine.
+
+Every kernel test runs at each ISA level this CPU runs (`isa` fixture: the lower levels
+forced), against the same references; test_isa.py checks the levels themselves."""
 from __future__ import annotations
 
 import math
@@ -13,15 +16,31 @@ from entropic.model.llama import RotaryEmbedding, rms_norm
 kernels.load()
 E = torch.ops.entropic
 DTYPES = (torch.bfloat16, torch.float32)
+LEVELS = kernels.isa_levels()
+VECTOR_LEVELS = [lv for lv in LEVELS if lv != "generic"]  # with int4/int8 and prefill
 
 
 def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(params=LEVELS)
+def isa(request):
+    """Each level this CPU runs, forced for the test."""
+    with kernels.forced_isa(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=VECTOR_LEVELS)
+def vector_isa(request):
+    """Each level with the int4/int8 linears and prefill attention."""
+    with kernels.forced_isa(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", (1, 7, 64))
-def test_rms_norm_matches_the_torch_formula(dtype, rows):
+def test_rms_norm_matches_the_torch_formula(isa, dtype, rows):
     g = _gen(rows)
     # magnitudes from 2^-6 to 2^6 per row: the rounding of the normalised value matters
     x = (torch.randn(rows, 576, generator=g)
@@ -38,7 +57,7 @@ def test_rms_norm_matches_the_torch_formula(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype):
+def test_silu_mul_matches_torch(isa, dtype):
     gu = (torch.randn(33, 2 * 1536, generator=_gen(1)) * 4).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
     got, want = E.silu_mul(gu), F.silu(gate) * up
@@ -50,7 +69,7 @@ def test_silu_mul_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", (1, 5, 40))
-def test_rope_kv_matches_rotation_and_cache_write(dtype, rows):
+def test_rope_kv_matches_rotation_and_cache_write(isa, dtype, rows):
     H, KVH, D = 9, 3, 64
     g = _gen(rows)
     rope = RotaryEmbedding(D, 8192, 1e5, dtype, "cpu")
@@ -83,7 +102,7 @@ def _reference_attention(q, cache, slots, lengths, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 40))  # 40: not a multiple of 16 (the generic path)
-def test_paged_decode_attention_matches_softmax_attention(dtype, head_dim):
+def test_paged_decode_attention_matches_softmax_attention(isa, dtype, head_dim):
     g = _gen(head_dim)
     n, H, KVH, ctx, S = 6, 9, 3, 150, 1000
     cache = torch.randn(S, 2, KVH, head_dim, generator=g).to(dtype)
@@ -106,7 +125,7 @@ def test_paged_decode_attention_matches_softmax_attention(dtype, head_dim):
     assert torch.equal(E.paged_decode_attention(q, cache, bad, lengths, 0.125, None)[1], out[1])
 
 
-def test_paged_decode_attention_rows_do_not_depend_on_each_other():
+def test_paged_decode_attention_rows_do_not_depend_on_each_other(isa):
     # 12 rows: whole rows are work items, each thread fetching its next row ahead (up to 256
     # slots: rows up to 400 long are partly fetched ahead); alone, a row is split by KV head
     g = _gen(3)
@@ -182,14 +201,9 @@ def test_native_and_torch_kernels_agree_on_the_real_model(llm_fp32, chat_prompts
         assert max(lp) < 1e-3 and max(ent) < 1e-3
 
 
-needs_bf16 = pytest.mark.skipif(
-    not torch.ops.entropic.int4_linear_supported(),
-    reason="entropic's int4/int8 kernels need a CPU with avx512_bf16")
-
-
-@needs_bf16
 @pytest.mark.parametrize("shape", [(960, 576), (66, 608), (3, 1536)])  # N % 4, odd groups
-def test_native_int4_linear_matches_dequantized_weights_and_is_batch_invariant(shape):
+def test_native_int4_linear_matches_dequantized_weights_and_is_batch_invariant(vector_isa,
+                                                                            shape):
     from entropic.model.linear import NativeInt4Linear
     from entropic.model.quant import quantize_int4
     n, k = shape
@@ -206,9 +220,9 @@ def test_native_int4_linear_matches_dequantized_weights_and_is_batch_invariant(s
     assert torch.equal(lin(x[2:7]), y[2:7])
 
 
-@needs_bf16
 @pytest.mark.parametrize("shape", [(1000, 576), (66, 608)])
-def test_native_int8_linear_matches_dequantized_weights_and_is_batch_invariant(shape):
+def test_native_int8_linear_matches_dequantized_weights_and_is_batch_invariant(vector_isa,
+                                                                            shape):
     from entropic.model.linear import NativeInt8Linear
     from entropic.model.quant import quantize_int8
     n, k = shape
@@ -224,8 +238,7 @@ def test_native_int8_linear_matches_dequantized_weights_and_is_batch_invariant(s
         assert torch.equal(lin(x[r:r + 1])[0], y[r])
 
 
-@needs_bf16
-def test_native_quantized_kernels_reject_bad_shapes():
+def test_native_quantized_kernels_reject_bad_shapes(vector_isa):
     codes = torch.zeros(4, 9, 4, 32, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         E.int4_linear(torch.zeros(1, 100, dtype=torch.bfloat16), codes,
@@ -250,15 +263,9 @@ def _reference_prefill(q, cache, slots, start, scale):
     return (p @ v).transpose(0, 1).reshape(T, H * D)
 
 
-needs_bf16_attention = pytest.mark.skipif(
-    not torch.ops.entropic.prefill_attention_supported(),
-    reason="entropic's prefill attention needs a CPU with avx512_bf16")
-
-
-@needs_bf16_attention
 @pytest.mark.parametrize("T,start,H,KVH,D", [(1, 0, 9, 3, 64), (100, 0, 9, 3, 64),
                                               (77, 150, 9, 3, 64), (130, 3, 8, 2, 128)])
-def test_prefill_attention_matches_causal_softmax_attention(T, start, H, KVH, D):
+def test_prefill_attention_matches_causal_softmax_attention(vector_isa, T, start, H, KVH, D):
     g = _gen(T + start)
     cache = torch.randn(1000, 2, KVH, D, generator=g).bfloat16()
     slots = torch.randperm(1000, generator=g)[:start + T]
@@ -270,8 +277,7 @@ def test_prefill_attention_matches_causal_softmax_attention(T, start, H, KVH, D)
     assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-@needs_bf16_attention
-def test_prefill_attention_does_not_depend_on_chunking():
+def test_prefill_attention_does_not_depend_on_chunking(vector_isa):
     """Key blocks are aligned to position 0: a prompt's last rows give the same bits when
     prefilled alone after a cached prefix (chunked prefill) as inside the whole prompt."""
     g = _gen(11)
@@ -283,8 +289,7 @@ def test_prefill_attention_does_not_depend_on_chunking():
         assert torch.equal(E.prefill_attention(q[cut:], cache, slots, cut, 0.125), whole[cut:])
 
 
-@needs_bf16_attention
-def test_prefill_attention_rejects_bad_input():
+def test_prefill_attention_rejects_bad_input(vector_isa):
     cache = torch.zeros(10, 2, 3, 64, dtype=torch.bfloat16)
     q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="slot 10 out of range"):
@@ -299,7 +304,7 @@ def test_prefill_attention_rejects_bad_input():
                             0.1)
 
 
-def test_logit_stats_match_torch():
+def test_logit_stats_match_torch(isa):
     from entropic.sampling.sampler import entropy_from_logits
     g = _gen(5)
     x = torch.randn(7, 49152 + 5, generator=g) * 4  # a tail after the 16-wide vectors
@@ -319,7 +324,7 @@ def test_logit_stats_match_torch():
         E.logit_stats(x.bfloat16())
 
 
-def test_tempered_entropy_matches_torch():
+def test_tempered_entropy_matches_torch(isa):
     from entropic.sampling.sampler import entropy_from_logits
     g = _gen(7)
     x = torch.randn(6, 49152 + 7, generator=g) * 5
@@ -337,7 +342,7 @@ def test_tempered_entropy_matches_torch():
             E.tempered_entropy(x, bad_rows, mx, bad_t)
 
 
-def test_native_thermostat_follows_the_torch_one():
+def test_native_thermostat_follows_the_torch_one(isa):
     """The thermostat's H^T from one native pass (reusing the sampler's row max) drives the
     same temperatures, to fp32 rounding, and the same seeded tokens as the torch ops."""
     from entropic import SamplingParams, ThermostatParams
@@ -364,7 +369,7 @@ def test_native_thermostat_follows_the_torch_one():
 
 
 @pytest.mark.parametrize("temperature", (0.0, 0.8))
-def test_native_sampler_statistics_agree_with_torch(temperature):
+def test_native_sampler_statistics_agree_with_torch(isa, temperature):
     from entropic import SamplingParams
     from entropic.sampling.sampler import Sampler, SamplingBatch
     g = _gen(6)
@@ -385,8 +390,8 @@ def test_native_sampler_statistics_agree_with_torch(temperature):
 
 
 @pytest.mark.model
-@needs_bf16_attention
-def test_bf16_prompt_scores_do_not_depend_on_prefill_chunking(llm_bf16, chat_prompts):
+def test_bf16_prompt_scores_do_not_depend_on_prefill_chunking(vector_isa, llm_bf16,
+                                                             chat_prompts):
     """bf16 on the native kernels (prefill attention included): a prompt prefilled alone in
     chunks of ~24 tokens scores every prompt token and continues greedily exactly as when
     prefilled whole, alone or beside two others. Attention's key blocks are aligned to

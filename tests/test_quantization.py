@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from entropic.kernels import isa as native_isa
 from entropic.model.linear import Int4Linear, Int8Linear, check_quantization
 from entropic.model.quant import Int4Blocks, int4_from_gguf, quantize_int4, quantize_int8
 from entropic.sampling_params import SamplingParams
@@ -123,9 +124,25 @@ def test_bad_quantization_requests_are_refused_clearly():
         LLM(quantization="q4", dtype="bfloat16")  # refused before any weight is read
 
 
+def _kernel_variants() -> list[str]:
+    """native at the best level, at the lowest level with vectors and at generic (forced),
+    and torch."""
+    from entropic import kernels
+    levels = kernels.isa_levels()
+    lower = [lv for lv in levels[1:] if lv != "generic"][-1:] + ["generic"]
+    return ["native"] + [f"native@{lv}" for lv in lower] + ["torch"]
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-def test_int4_model_stays_close_to_fp32_and_is_batch_invariant(llm_fp32, chat_prompts, kernels):
+@pytest.mark.parametrize("variant", _kernel_variants())
+def test_int4_model_stays_close_to_fp32_and_is_batch_invariant(llm_fp32, chat_prompts, variant):
+    from entropic import kernels as native
+    kernels, _, level = variant.partition("@")
+    with native.forced_isa(level or native.isa()):
+        _int4_model_check(llm_fp32, chat_prompts, kernels, level)
+
+
+def _int4_model_check(llm_fp32, chat_prompts, kernels, level):
     from entropic import LLM
     from entropic.bench.parity import Divergence, sequence_logits
     from entropic.model.linear import NativeInt4Linear, NativeInt8Linear
@@ -133,9 +150,11 @@ def test_int4_model_stays_close_to_fp32_and_is_batch_invariant(llm_fp32, chat_pr
     llm = LLM(quantization="int4", kernels=kernels, max_num_batched_tokens=256,
               kv_cache_gib=0.25)
     model = llm.engine.model
-    # entropic's own int4/int8 kernels where the CPU has avx512_bf16, else torch's
-    ours = kernels == "native" and torch.ops.entropic.int4_linear_supported()
+    # entropic's own int4/int8 kernels at every level that has them (AVX2 or better)
+    ours = kernels == "native" and level != "generic"
+    assert model.isa == (None if kernels == "torch" else level or native_isa())
     assert model.quant_kernel == ("entropic" if ours else "torch")
+    assert model.native_prefill == ours
     assert isinstance(model.layers[0].qkv, NativeInt4Linear if ours else Int4Linear)
     assert isinstance(model.lm_head, NativeInt8Linear if ours else Int8Linear)
     div_int4, div_bf16 = Divergence(), Divergence()

@@ -1,23 +1,35 @@
 """Native CPU kernels, one C++ file per job (each says what its ops compute):
 `layer_ops.cpp` (RMSNorm, RoPE with the KV write, SiLU*up), `decode_attention.cpp` (paged decode
 attention reading the KV cache in place), `prefill_attention.cpp` (causal flash-style prefill
-attention, AVX512-BF16), `quant_linear.cpp` (weight-only int4/int8 linear, AVX512-BF16),
-`logit_stats.cpp` (the sampler's per-row max, log-normaliser, entropy and argmax);
-`common.h` holds their shared helpers.
+attention), `quant_linear.cpp` (weight-only int4/int8 linear), `logit_stats.cpp` (the sampler's
+per-row max, log-normaliser, entropy and argmax). Those files check arguments and split the
+work between threads; the math is in `*_math.h`, compiled once per ISA level (`isa.h`):
+
+    avx512bf16   AVX-512 with bf16 dot products (VDPBF16PS)
+    avx512       AVX-512 F/BW/VL/DQ, fp32 FMA
+    avx2         AVX2 + FMA, fp32 FMA
+    generic      plain C++; no int4/int8 linear and no prefill attention (torch's run instead)
+
+Each level is its own translation unit (`level_<name>.cpp`) compiled for exactly its
+instruction set over a baseline build, so one build holds every level this CPU runs. The best
+one is used unless `ENTROPIC_ISA` (or `set_isa`, `forced_isa`) names a lower one; `isa()` says
+which is in use. The levels compute the same numbers where their arithmetic allows
+(`*_math.h` say where they differ).
 
 They are compiled on first use with the machine's C++ compiler (torch.utils.cpp_extension,
-~1 minute) for this machine's instruction set (`-march=native`), and the build is cached
-under `~/.cache/entropic/kernels/` (or `$ENTROPIC_KERNELS_DIR`) in a folder keyed by the
-source, the torch version and the CPU's flags, so a cache shared between different CPUs
-never runs code built for another one. `LLM(kernels="torch")` runs the plain PyTorch ops
-instead (no compiler needed).
+~1-2 minutes; the levels need GCC), and the build is cached under `~/.cache/entropic/kernels/`
+(or `$ENTROPIC_KERNELS_DIR`) in a folder keyed by the source, the torch version, the flags and
+the CPU's flags, so a cache shared between different CPUs never runs code built for another
+one. `LLM(kernels="torch")` runs the plain PyTorch ops instead (no compiler needed).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +37,15 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))
 HEADERS = sorted(HERE.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 KERNEL_CHOICES = ("native", "torch")
+ISA_LEVELS = ("avx512bf16", "avx512", "avx2", "generic")  # best first
+# /proc/cpuinfo flags each level needs (x86-64)
+_LEVEL_CPU_FLAGS = {
+    "avx2": {"avx2", "fma"},
+    "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+}
 
 _lock = threading.Lock()
 _loaded = False
@@ -46,11 +65,30 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_levels(flags_line: str | None = None) -> tuple[str, ...]:
+    """The vector levels (avx512bf16, avx512, avx2) this x86-64 CPU runs, by its flags."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    flags = set((flags_line if flags_line is not None else _cpu_flags()).split())
+    return tuple(lv for lv in ISA_LEVELS[:-1] if _LEVEL_CPU_FLAGS[lv] <= flags)
+
+
+def build_flags() -> list[str]:
+    """Compiler flags: on x86-64 a baseline build (the generic level and the op files) with
+    the levels this CPU runs added (each sets its own target); elsewhere the machine's own
+    instruction set (-march=native) for the generic level."""
+    levels = cpu_levels()
+    if platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").exists():
+        return BASE_FLAGS + ["-mtune=native"] + [f"-DENTROPIC_BUILD_{lv.upper()}" for lv in levels]
+    return BASE_FLAGS + ["-march=native"]
+
+
 def build_dir() -> Path:
     """The cache folder for these sources, torch version, compiler flags and CPU."""
     texts = [p.read_text() for p in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join(
-        [*texts, torch.__version__, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+        [*texts, torch.__version__, " ".join(build_flags()), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
     root = os.environ.get("ENTROPIC_KERNELS_DIR") or Path.home() / ".cache" / "entropic" / "kernels"
     return Path(root) / key
 
@@ -70,14 +108,57 @@ def load() -> None:
         out.mkdir(parents=True, exist_ok=True)
         try:
             cpp_extension.load(name="entropic_cpu_kernels", sources=[str(p) for p in SOURCES],
-                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                               extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
                                build_directory=str(out), is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as e:
             raise KernelBuildError(
                 f"could not build entropic's native CPU kernels in {out} ({e}); they need a "
                 f"C++ compiler (g++) and ninja. Pass kernels='torch' to run the plain PyTorch "
                 f"ops instead") from e
+        forced = os.environ.get("ENTROPIC_ISA")
+        if forced:
+            _set_isa(forced, "ENTROPIC_ISA")
         _loaded = True
+
+
+def _set_isa(level: str, source: str) -> None:
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{source} must be one of {ISA_LEVELS}, got {level!r}")
+    available = tuple(torch.ops.entropic.isa_levels())
+    if level not in available:
+        raise ValueError(f"{source}={level!r}: this CPU (or build) runs only {available}")
+    torch.ops.entropic.set_isa(level)
+
+
+def isa() -> str:
+    """The ISA level the native kernels run at (loads them): one of ISA_LEVELS."""
+    load()
+    return str(torch.ops.entropic.isa())
+
+
+def isa_levels() -> tuple[str, ...]:
+    """The levels this CPU and build can run, best first (generic always among them)."""
+    load()
+    return tuple(torch.ops.entropic.isa_levels())
+
+
+def set_isa(level: str) -> None:
+    """Run the native kernels at `level` from now on, process-wide (one of isa_levels()).
+    Models decide once, when built, whether prefill attention and the quantized linears run
+    natively (a level above generic), so set the level before building a model."""
+    load()
+    _set_isa(level, "level")
+
+
+@contextlib.contextmanager
+def forced_isa(level: str) -> Iterator[str]:
+    """Run the kernels at `level` inside the block (tests, benchmarks), then as before."""
+    old = isa()
+    set_isa(level)
+    try:
+        yield level
+    finally:
+        torch.ops.entropic.set_isa(old)
 
 
 def check_kernels(kernels: str, device: torch.device | str) -> None:

@@ -107,7 +107,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
 
 def native_prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `entropic.prefill_attention` runs here: bf16, head_dim a multiple of 64, and
-    kernels built for a CPU with avx512_bf16 (the native kernels must be loaded)."""
+    native kernels at an ISA level that has it (AVX2 or better; they must be loaded)."""
     return (dtype == torch.bfloat16 and head_dim % 64 == 0
             and bool(torch.ops.entropic.prefill_attention_supported()))
 

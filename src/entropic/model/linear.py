@@ -179,10 +179,11 @@ class Int4Linear(Linear):
 
 class NativeInt4Linear(Linear):
     """y = x @ W.T (+ bias) with W in 4-bit groups of 32, through entropic's own kernel
-    (`entropic.int4_linear`, CPUs with avx512_bf16): the codes are exact bf16 numbers, so a
-    group is one bf16 dot product with exact products and fp32 sums; scale and offset stay
-    fp32 (a GGUF's fp16 values exactly). Each output is summed in a fixed order, so a row's
-    result does not depend on the other rows of the call."""
+    (`entropic.int4_linear`, CPUs with AVX2 or better): the codes are exact bf16 numbers, so
+    a group is one dot product with exact products and fp32 sums (one AVX512-BF16 instruction,
+    or the same fused multiply-adds in fp32); scale and offset stay fp32 (a GGUF's fp16 values
+    exactly). Each output is summed in a fixed order, so a row's result does not depend on
+    the other rows of the call."""
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
         n, k = blocks.shape
@@ -213,9 +214,10 @@ class NativeInt4Linear(Linear):
 
 class NativeInt8Linear(Linear):
     """y = x @ W.T (+ bias) with W as int8 per output channel (`quantize_int8`), through
-    entropic's kernel (`entropic.int8_linear`, CPUs with avx512_bf16): each byte is split
-    into two nibbles that are exact bf16 numbers, so the products are exact and summed in
-    fp32 in a fixed order (a row's result does not depend on the other rows of the call)."""
+    entropic's kernel (`entropic.int8_linear`, CPUs with AVX2 or better): the products are
+    exact (with avx512_bf16 each byte is split into two nibbles that are exact bf16 numbers;
+    below it a byte is an fp32 number) and summed in fp32 in a fixed order (a row's result
+    does not depend on the other rows of the call)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = n, k = weight.shape
@@ -235,7 +237,8 @@ class NativeInt8Linear(Linear):
 
 
 def native_int4_available() -> bool:
-    """Whether entropic's int4 kernel runs here (built for a CPU with avx512_bf16)."""
+    """Whether entropic's int4/int8 kernels run here: native kernels at an ISA level that
+    has them (AVX2 or better; `entropic.kernels.isa()`)."""
     return bool(torch.ops.entropic.int4_linear_supported())
 
 

@@ -113,10 +113,13 @@ class LlamaModel:
                                  f"{str(dtype).removeprefix('torch.')}; use kernels='torch'")
             native.load()
         self.kernels = kernels
+        # the ISA level the native kernels run at (entropic.kernels.isa()), None with torch's
+        self.isa = native.isa() if kernels == "native" else None
         # decided once: prefill chunks on entropic's bf16 prefill attention, or on SDPA
         self.native_prefill = (kernels == "native"
                                and native_prefill_supported(dtype, config.head_dim))
-        # weight-only int4/int8: entropic's kernels where they run (avx512_bf16), else torch's
+        # weight-only int4/int8: entropic's kernels at every ISA level that has them (AVX2 or
+        # better), else torch's
         self.quant_kernel = None
         if quantization is not None:
             self.quant_kernel = ("entropic" if kernels == "native" and native_int4_available()

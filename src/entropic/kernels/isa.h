@@ -1,0 +1,140 @@
+// The ISA levels of entropic's native kernels and the table of functions each level provides.
+//
+// Every level is one translation unit (level_<name>.cpp) compiled for exactly that level's
+// instruction set (a `#pragma GCC target` over a baseline build), from the same math headers
+// (*_math.h); the op files (*.cpp) check their arguments, split the work between threads and
+// call the active level's table. The level is chosen once, at load, as the best this CPU runs;
+// `set_level` forces a lower one (ENTROPIC_ISA, tests, benchmarks).
+//   avx512bf16  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (VDPBF16PS)
+//   avx512      AVX-512 F/BW/VL/DQ: fp32 FMA
+//   avx2        AVX2 + FMA: fp32 FMA
+//   generic     plain C++ for the machine's default target; no int4/int8 linear and no
+//               prefill attention (the model then runs torch's)
+// This header is shared by both sides, so it holds only types and declarations.
+#pragma once
+
+#include <cstdint>
+
+namespace entropic_kernels {
+
+using bf16_bits = uint16_t;  // a bfloat16 number's bits
+
+constexpr int kNumLevels = 4;
+constexpr const char* kLevelNames[kNumLevels] = {"avx512bf16", "avx512", "avx2", "generic"};
+
+// Slots to fetch into cache while a (row, KV head) is computed: `count` slots of the row
+// that comes next, and how many leading slots of this row an earlier lookahead fetched.
+struct Lookahead {
+  const int64_t* slots = nullptr;
+  int64_t count = 0;
+  int64_t covered = 0;
+};
+
+// Decode attention's per-thread scratch, sized by the caller for one (row, KV head):
+// qf and acc rep * head_dim floats, sc rep * (len rounded up to 16), stat 2 * rep.
+struct AttendScratch {
+  float* qf;
+  float* sc;
+  float* acc;
+  float* stat;
+};
+
+// Weight-only int4 linear (quant_linear.cpp describes the layout).
+struct Int4Args {
+  const bf16_bits* x;
+  int64_t x_stride;
+  const uint8_t* codes;
+  int64_t row_bytes;  // code bytes of one output column
+  const float* scale;
+  const float* offset;  // offset128
+  bf16_bits* y;
+  int64_t m_rows, n_cols, groups;
+};
+
+// Weight-only int8 linear, one scale per output column.
+struct Int8Args {
+  const bf16_bits* x;
+  int64_t x_stride;
+  const uint8_t* codes;
+  const float* scale;
+  bf16_bits* y;
+  int64_t m_rows, n_cols, k;
+};
+
+constexpr int64_t kColTile = 4;    // quantized codes and scales are stored in tiles of 4 columns
+constexpr int64_t kPfKeys = 64;    // prefill attention: keys per packed block
+constexpr int64_t kPfQueries = 16; // prefill attention: query positions per work item
+
+struct PrefillArgs {
+  const bf16_bits* q;  // q[i][h][dim] at q + i * q_stride + h * d + dim
+  int64_t q_stride;
+  const void* kp;  // packed keys, the level's layout
+  const void* vp;  // packed values
+  bf16_bits* out;  // [q_len][heads * d]
+  int64_t q_len, start, heads, kv_heads, d, blocks;
+  float scale;
+};
+
+template <typename T>
+struct TypedKernels {
+  // RMSNorm, RoPE + KV write and SiLU * up of rows [begin, end)
+  void (*rms_norm)(const T* x, const T* w, T* y, int64_t begin, int64_t end, int64_t n,
+                   int64_t x_stride, float eps);
+  void (*rope_kv)(T* qkv, const T* cos, const T* sin, T* cache, const int64_t* slots,
+                  int64_t begin, int64_t end, int64_t row_stride, int64_t heads,
+                  int64_t kv_heads, int64_t d, float* tmp /* d floats */);
+  void (*silu_mul)(const T* gate_up, T* y, int64_t begin, int64_t end, int64_t n,
+                   int64_t stride);
+  // decode attention of one row against one KV head and its `rep` query heads
+  void (*attend)(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
+                 int64_t len, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
+                 float scale, T* out, float* mass, const AttendScratch& scratch,
+                 const Lookahead& ahead);
+};
+
+struct Kernels {
+  const char* name;
+  TypedKernels<float> f32;
+  TypedKernels<bf16_bits> bf16;
+  void (*logit_stats_row)(const float* x, int64_t n, float* mx, float* lse, float* ent,
+                          int64_t* arg);
+  float (*tempered_entropy_row)(const float* x, int64_t n, float m, float t);
+  // The rest is null where the level has none (generic).
+  // int4: prepare fills ws (m_rows * (groups + k) floats) from x; cols computes the output
+  // columns [n_begin, n_end) (multiples of kColTile but for the last) of every row.
+  void (*int4_prepare)(const Int4Args& a, float* ws);
+  void (*int4_cols)(const Int4Args& a, const float* ws, int64_t n_begin, int64_t n_end);
+  // int8: ws is m_rows * (k + 1) floats
+  void (*int8_prepare)(const Int8Args& a, float* ws);
+  void (*int8_cols)(const Int8Args& a, const float* ws, int64_t n_begin, int64_t n_end);
+  // prefill attention: bytes per packed K (or V) element; pack one block of 64 keys of one
+  // KV head; one work item (query block qb x KV head g), ws prefill_ws_floats floats
+  int64_t prefill_elem_bytes;
+  void (*prefill_pack)(const bf16_bits* cache, const int64_t* slots, int64_t nk,
+                       int64_t kv_heads, int64_t d, int64_t g, int64_t b, void* kp, void* vp);
+  void (*prefill_item)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
+
+  template <typename T>
+  const TypedKernels<T>& typed() const;
+};
+
+template <>
+inline const TypedKernels<float>& Kernels::typed<float>() const { return f32; }
+template <>
+inline const TypedKernels<bf16_bits>& Kernels::typed<bf16_bits>() const { return bf16; }
+
+// Floats of prefill_item's workspace for `rows` rows (query positions x heads) of head_dim d.
+inline int64_t prefill_ws_floats(int64_t rows, int64_t d) {
+  return rows * (2 * d + 2 * kPfKeys + 4) + 16;
+}
+
+// Each level TU defines its getter: its table, or null where it was not built.
+const Kernels* kernels_avx512bf16();
+const Kernels* kernels_avx512();
+const Kernels* kernels_avx2();
+const Kernels* kernels_generic();
+
+// The level in use (the best this CPU runs unless set_level chose another).
+const Kernels& active();
+
+}  // namespace entropic_kernels

@@ -1,0 +1,300 @@
+// The math of prefill_attention.cpp (causal, flash style); included by level.h inside a
+// level's namespace, for the levels with vectors.
+//
+// Each KV head's keys and values are first packed in blocks of 64 keys. Scores and the
+// P.V products are sums of exact products of bf16 numbers in fp32; scores, running max,
+// softmax sums and output accumulators are fp32; probabilities are rounded to bf16 for P.V
+// and the sums add the rounded values, so the weights that meet V sum exactly to the divisor.
+// - avx512bf16: AVX512-BF16 dot products over pairs (VDPBF16PS: per lane, acc += the odd
+//   pair member's product, then the even one's, each as one fused multiply-add). Packed
+//   keys [dim pair][64 keys][2 dims], values [key pair][dim][2 keys], bf16.
+// - avx512, avx2: the same fused multiply-adds one by one in fp32, in the same order (odd
+//   member of each pair first). Packed keys [dim][64 keys], values [key][dim], fp32.
+// The two give the same numbers where the CPU's VDPBF16PS rounds as Intel documents (and
+// without denormals, which VDPBF16PS flushes). Key blocks are aligned to position 0, so a
+// row's sums run over the same blocks in the same order however the prompt was chunked.
+
+constexpr int kPfRowTile = 4;  // rows (query position x head) per register tile
+
+template <typename F>
+void pf_tiles(int64_t rows, F&& f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kPfRowTile) {
+    switch (std::min<int64_t>(kPfRowTile, rows - r0)) {
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      default: f(std::integral_constant<int, 1>{}, r0); break;
+    }
+  }
+}
+
+#if defined(ENTROPIC_LEVEL_BF16)
+
+constexpr int64_t kPfElemBytes = 2;
+
+void pf_pack_block(const bf16_bits* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+                   int64_t d, int64_t g, int64_t b, void* kpv, void* vpv) {
+  const int64_t slot_size = 2 * kv_heads * d, pairs = d / 2;
+  uint32_t* kw = static_cast<uint32_t*>(kpv);
+  bf16_bits* vp = static_cast<bf16_bits*>(vpv);
+  for (int64_t j = 0; j < kPfKeys; ++j) {
+    const int64_t key = b * kPfKeys + j;
+    if (key >= nk) {
+      for (int64_t p = 0; p < pairs; ++p) kw[p * kPfKeys + j] = 0;
+      for (int64_t i = 0; i < d; ++i) vp[((j / 2) * d + i) * 2 + (j & 1)] = 0;
+      continue;
+    }
+    const bf16_bits* slot = cache + slots[key] * slot_size;
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(slot + g * d);
+    for (int64_t p = 0; p < pairs; ++p) kw[p * kPfKeys + j] = kr[p];
+    const bf16_bits* vr = slot + (kv_heads + g) * d;
+    for (int64_t i = 0; i < d; ++i) vp[((j / 2) * d + i) * 2 + (j & 1)] = vr[i];
+  }
+}
+
+// The rows' queries as the scores read them: dim pairs (bf16 in the item's q rows).
+struct PfQueries {
+  const uint32_t* row[kPfRowTile];
+};
+
+// Scores of RT rows against one block of 64 keys: s[r][64] (unscaled).
+template <int RT>
+void pf_scores(const PfQueries& q, const void* kblkv, int64_t d, float* s) {
+  const bf16_bits* kblk = static_cast<const bf16_bits*>(kblkv);
+  const int64_t pairs = d / 2;
+  __m512 acc[RT][4];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; ++c)
+      k[c] = (__m512bh)_mm512_loadu_si512(kblk + (p * kPfKeys + 16 * c) * 2);
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(q.row[r][p]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, k[c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kPfKeys + 16 * c, acc[r][c]);
+}
+
+// o[r] = alpha[r] * o[r] + P[r] . V for RT rows; P as bf16 key pairs p[r][32].
+template <int RT>
+void pf_values(const void* pv, const void* vblkv, int64_t d, float* o, const float* alpha) {
+  const uint32_t* pw = static_cast<const uint32_t*>(pv);
+  const bf16_bits* vblk = static_cast<const bf16_bits*>(vblkv);
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    __m512 acc[RT][4];
+    for (int r = 0; r < RT; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int c = 0; c < 4; ++c)
+        acc[r][c] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + c0 + 16 * c));
+    }
+    for (int64_t kp = 0; kp < kPfKeys / 2; ++kp) {
+      __m512bh v[4];
+      for (int c = 0; c < 4; ++c)
+        v[c] = (__m512bh)_mm512_loadu_si512(vblk + (kp * d + c0 + 16 * c) * 2);
+      for (int r = 0; r < RT; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pw[r * (kPfKeys / 2) + kp]));
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * d + c0 + 16 * c, acc[r][c]);
+  }
+}
+
+// One row's probabilities e[4] (keys 0..63, fp32) rounded to bf16 and stored as P.V reads
+// them (key pairs); returns their sum.
+inline float pf_store_probs(const F16* e, void* pv) {
+  uint32_t* pr = static_cast<uint32_t*>(pv);
+  __m512 total = _mm512_setzero_ps();
+  for (int c = 0; c < 4; c += 2) {
+    const __m512i pi = (__m512i)_mm512_cvtne2ps_pbh(e[c + 1].p[0], e[c].p[0]);
+    _mm512_storeu_si512(pr + 8 * c, pi);
+    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(pi)), 16)));
+    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pi, 1)), 16)));
+  }
+  return reduce_add16(F16{{total}});
+}
+constexpr int64_t kPfProbFloats = kPfKeys / 2;  // workspace floats of one row's P
+
+#else  // fp32 fused multiply-adds
+
+constexpr int64_t kPfElemBytes = 4;
+
+void pf_pack_block(const bf16_bits* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+                   int64_t d, int64_t g, int64_t b, void* kpv, void* vpv) {
+  const int64_t slot_size = 2 * kv_heads * d;
+  float* kp = static_cast<float*>(kpv);  // [d][64]
+  float* vp = static_cast<float*>(vpv);  // [64][d]
+  for (int64_t j = 0; j < kPfKeys; ++j) {
+    const int64_t key = b * kPfKeys + j;
+    if (key >= nk) {
+      for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = vp[j * d + i] = 0.f;
+      continue;
+    }
+    const bf16_bits* slot = cache + slots[key] * slot_size;
+    const bf16_bits* kr = slot + g * d;
+    const bf16_bits* vr = slot + (kv_heads + g) * d;
+    for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = load(kr + i);
+    for (int64_t i = 0; i < d; ++i) vp[j * d + i] = load(vr + i);
+  }
+}
+
+struct PfQueries {
+  const float* row[kPfRowTile];  // fp32 copies of the rows' queries
+};
+
+// Keys (scores) and head dims (P.V) per register pass: 4 x 16 lanes on AVX-512, 2 x 8 on
+// AVX2 (16 registers). A pass covers different outputs, so it does not change any sum.
+constexpr int kPfChunk = W == 16 ? 4 : 2;
+
+template <int RT>
+void pf_scores(const PfQueries& q, const void* kblkv, int64_t d, float* s) {
+  const float* kblk = static_cast<const float*>(kblkv);
+  for (int64_t k0 = 0; k0 < kPfKeys; k0 += kPfChunk * W) {
+    V acc[RT][kPfChunk];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vzero();
+    for (int64_t i0 = 0; i0 < d; i0 += 2) {
+      for (int64_t i = i0 + 1; i >= i0; --i) {  // VDPBF16PS's order: odd dim, then even
+        V k[kPfChunk];
+        for (int c = 0; c < kPfChunk; ++c) k[c] = vload(kblk + i * kPfKeys + k0 + c * W);
+        for (int r = 0; r < RT; ++r) {
+          const V qv = vset(q.row[r][i]);
+          for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(qv, k[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) vstore(s + r * kPfKeys + k0 + c * W, acc[r][c]);
+  }
+}
+
+// o[r] = alpha[r] * o[r] + P[r] . V for RT rows; P as fp32 p[r][64] (bf16 values).
+template <int RT>
+void pf_values(const void* pv, const void* vblkv, int64_t d, float* o, const float* alpha) {
+  const float* p = static_cast<const float*>(pv);
+  const float* vblk = static_cast<const float*>(vblkv);
+  for (int64_t c0 = 0; c0 < d; c0 += kPfChunk * W) {
+    V acc[RT][kPfChunk];
+    for (int r = 0; r < RT; ++r) {
+      const V a = vset(alpha[r]);
+      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vmul(a, vload(o + r * d + c0 + c * W));
+    }
+    for (int64_t j0 = 0; j0 < kPfKeys; j0 += 2) {
+      for (int64_t j = j0 + 1; j >= j0; --j) {  // the odd key of a pair first
+        V v[kPfChunk];
+        for (int c = 0; c < kPfChunk; ++c) v[c] = vload(vblk + j * d + c0 + c * W);
+        for (int r = 0; r < RT; ++r) {
+          const V pj = vset(p[r * kPfKeys + j]);
+          for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(pj, v[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) vstore(o + r * d + c0 + c * W, acc[r][c]);
+  }
+}
+
+// e rounded to bf16 as VCVTNE2PS2BF16 rounds (nearest even, denormals to zero), stored as
+// fp32; returns their sum in the bf16 level's order.
+inline float pf_store_probs(const F16* e, void* pv) {
+  float* pr = static_cast<float*>(pv);
+  const F16 tiny = f16_set(std::numeric_limits<float>::min());
+  F16 total = f16_zero();
+  for (int c = 0; c < 4; ++c) {
+    const F16 r = maskz16(ge16(e[c], tiny), round16(e[c], static_cast<const bf16_bits*>(nullptr)));
+    store16(pr + 16 * c, r);
+    total = add(total, r);
+  }
+  return reduce_add16(total);
+}
+constexpr int64_t kPfProbFloats = kPfKeys;
+
+#endif
+
+// One work item: query positions [qb * 16, +16) with the heads of KV head g.
+void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
+  const int64_t rep = a.heads / a.kv_heads, d = a.d;
+  const int64_t i0 = qb * kPfQueries, nq = std::min(kPfQueries, a.q_len - i0), rows = nq * rep;
+  float* o = ws;
+  float* s = o + rows * d;
+  float* mx = s + rows * kPfKeys;
+  float* sum = mx + rows;
+  float* alpha = sum + rows;
+  float* probs = alpha + rows;  // rows x kPfProbFloats
+  float* qf = probs + rows * kPfProbFloats;  // fp32 levels: the rows' queries
+  std::fill(o, o + rows * d, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    mx[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.f;
+  }
+  auto q_row = [&](int64_t r) {
+    return a.q + (i0 + r / rep) * a.q_stride + (g * rep + r % rep) * d;
+  };
+  (void)qf;
+#if !defined(ENTROPIC_LEVEL_BF16)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(q_row(r) + i);
+#endif
+  auto queries = [&](int64_t r0, int rt) {
+    PfQueries q{};
+    for (int t = 0; t < rt; ++t) {
+#if defined(ENTROPIC_LEVEL_BF16)
+      q.row[t] = reinterpret_cast<const uint32_t*>(q_row(r0 + t));
+#else
+      q.row[t] = qf + (r0 + t) * d;
+#endif
+    }
+    return q;
+  };
+  const int64_t nblk = (a.start + i0 + nq - 1) / kPfKeys + 1;
+  const int64_t block_bytes = kPfKeys * d * kPfElemBytes;  // one packed block
+  const F16 scale = f16_set(a.scale);
+  const F16 minus_inf = f16_set(-std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < nblk; ++b) {
+    const char* kblk = static_cast<const char*>(a.kp) + (g * a.blocks + b) * block_bytes;
+    const char* vblk = static_cast<const char*>(a.vp) + (g * a.blocks + b) * block_bytes;
+    pf_tiles(rows, [&](auto rt, int64_t r0) {
+      pf_scores<decltype(rt)::value>(queries(r0, rt), kblk, d, s + r0 * kPfKeys);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      // keys up to the row's own position
+      const int64_t valid = std::min<int64_t>(kPfKeys, a.start + i0 + r / rep - b * kPfKeys + 1);
+      float* pr = probs + r * kPfProbFloats;
+      if (valid <= 0) {  // the whole block lies after this row's position
+        alpha[r] = 1.f;
+        std::fill(pr, pr + kPfProbFloats, 0.f);
+        continue;
+      }
+      F16 x[4], e[4];
+      M16 m[4];
+      F16 bm = minus_inf;
+      for (int c = 0; c < 4; ++c) {
+        m[c] = first16(valid - 16 * c);
+        x[c] = mul(load16(s + r * kPfKeys + 16 * c), scale);
+        bm = select16(m[c], max16(bm, x[c]), bm);
+      }
+      const float m_new = std::max(mx[r], reduce_max16(bm));
+      alpha[r] = std::exp(mx[r] - m_new);  // exp(-inf) = 0 on the first block
+      mx[r] = m_new;
+      for (int c = 0; c < 4; ++c) e[c] = maskz16(m[c], exp16(sub(x[c], f16_set(m_new))));
+      sum[r] = sum[r] * alpha[r] + pf_store_probs(e, pr);
+    }
+    pf_tiles(rows, [&](auto rt, int64_t r0) {
+      pf_values<decltype(rt)::value>(probs + r0 * kPfProbFloats, vblk, d, o + r0 * d,
+                                     alpha + r0);
+    });
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r / rep, h = g * rep + r % rep;
+    bf16_bits* dst = a.out + i * a.heads * d + h * d;
+    const F16 inv = f16_set(1.f / sum[r]);
+    for (int64_t c = 0; c < d; c += 16)
+      store16(dst + c, round16(mul(load16(o + r * d + c), inv), dst));
+  }
+}
