@@ -22,7 +22,7 @@ from entropic.engine.engine import LLMEngine
 from entropic.sampling.sampler import Sampler, SamplingBatch
 from entropic.sampling_params import ThermostatParams
 from entropic.speculative import SpeculativeConfig, Speculator
-from entropic.speculative.gate import Candidate, StepTimes, entropy_bin, plan
+from entropic.speculative.gate import AcceptanceModel, Candidate, StepTimes, entropy_bin, plan
 from entropic.speculative.ngram import NgramProposer
 
 # prompts that repeat themselves (drafts get accepted) and one that does not
@@ -78,15 +78,26 @@ def test_gate_drafts_where_rows_pay_and_stops_where_they_do_not():
     for rows, t in ((1, 10.0), (2, 10.2), (3, 10.4), (4, 10.6), (9, 11.6)):
         times.record(rows, t)
     sure = Candidate("a", (True, 0, 5), 8)
-    k = plan([sure], {"a": 0.9}, times, base_rows=1, base_tokens=1)
+    k = plan([sure], {"a": [0.9] * 8}, times, base_rows=1, base_tokens=1)
     assert k["a"] == 8  # 0.9^8 = 0.43 beats the ~2 % a row costs
-    assert plan([sure], {"a": 0.01}, times, 1, 1)["a"] == 0  # an unsure draft never pays
+    assert plan([sure], {"a": [0.01] * 8}, times, 1, 1)["a"] == 0  # an unsure draft never pays
+    assert plan([sure], {"a": [0.9, 0.9, 0.01] + [0.9] * 5}, times, 1, 1)["a"] == 2
     # at 64 rows each further row costs what it buys: one 0.3 candidate among many shuts
     busy = StepTimes()
     for rows in range(60, 70):
         busy.record(rows, rows * 1.0)
-    assert plan([Candidate("b", (True, 1, 2), 8)], {"b": 0.3}, busy, 64, 64)["b"] == 0
+    assert plan([Candidate("b", (True, 1, 2), 8)], {"b": [0.3] * 8}, busy, 64, 64)["b"] == 0
     assert entropy_bin(0.0) == 0 and entropy_bin(10.0) == 6
+
+
+def test_acceptance_is_learned_per_position():
+    model = AcceptanceModel(max_match=5)
+    key = model.key(True, 0.1, 3)
+    for _ in range(200):  # the first drafted token is right half the time; then all are
+        model.observe(key, 6, 6)
+        model.observe(key, 6, 0)
+    a = model.rates(key, 6)
+    assert a[0] == pytest.approx(0.5, abs=0.02) and min(a[1:]) > 0.97
 
 
 def test_config_errors_name_the_field():

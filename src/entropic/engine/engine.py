@@ -213,7 +213,9 @@ class LLMEngine:
         if self.speculator is not None and all(c.num_tokens == 1 or c.draft
                                                for c in sched.chunks):
             # the whole step, drafting included: what one more drafted row really costs
-            self.speculator.observe_step(result.num_tokens, done - began)
+            self.speculator.observe_step(
+                result.num_tokens, done - began,
+                any(not (c.params.greedy and c.params.thermostat is None) for c in sched.chunks))
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
                                         result.accepted)
         if self.block_policy is not None:

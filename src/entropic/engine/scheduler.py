@@ -91,6 +91,10 @@ class DraftPolicy(Protocol):
         `committed` tokens were appended in all."""
         ...
 
+    def observe_step(self, rows: int, seconds: float, sampling: bool) -> None:
+        """The wall time of a step of decode and verify rows only (the engine calls it)."""
+        ...
+
     def release(self, request_ids: Sequence[str]) -> None: ...
 
 

@@ -1,19 +1,22 @@
 """The entropy gate: draft where the model is sure, as far as the drafts pay.
 
 Two online estimates (docs/speculative.md states the law and its constants):
-- acceptance a(c, h, m): the chance that a drafted token is accepted given that the ones
-  before it were, per sampling class c (greedy or sampled), bin h of the entropy of the
-  distribution the last committed token was drawn from, and bin m of the suffix-match
-  length that produced the draft. A Beta prior centred on exp(-h) (the most likely token of
-  a distribution with entropy h has probability at least exp(-h)) with weight PRIOR_WEIGHT,
-  updated by every verify: the j-th drafted token is accepted with probability a^j;
+- acceptance a_j(c, h, m): the chance that drafted token j is accepted given that tokens
+  1..j-1 were, per sampling class c (greedy or sampled), bin h of the entropy of the
+  distribution the last committed token was drawn from, bin m of the suffix-match length
+  that produced the draft, and position j (1, 2, 3, 4+). Beta priors (weight PRIOR_WEIGHT):
+  for j = 1 centred on PRIOR_MATCH * exp(-h) (the most likely token of a distribution with
+  entropy h has probability at least exp(-h)), for later positions at least PRIOR_LATER;
+  every verify updates the positions it tested. Drafted token j then adds
+  g_j = a_1 * ... * a_j expected tokens;
 - step time t(R) of a decode step that computes R rows, an exponential moving average per
-  R measured from the engine's own steps (pure decode steps only), made non-decreasing in R
-  and extrapolated linearly beyond the largest R measured, so c(k) = t(R + k) / t(R).
+  R measured from the engine's own steps (pure decode steps, drafting included; all-greedy
+  steps apart from sampling ones), made non-decreasing in R and extrapolated linearly
+  beyond the largest R measured, so c(k) = t(R + k) / t(R).
 The rule: with E the tokens a step commits without drafts (one per decoding request) and R
 its rows, the next drafted token, among all requests' candidates the one with the highest
-expected gain g = a^j, is added while g > E * (t(R + 1) / t(R) - 1): it must add more
-expected tokens than the share of the step's tokens that one more row's time would buy.
+g, is added while g > E * (t(R + 1) / t(R) - 1): it must add more expected tokens than the
+share of the step's tokens that one more row's time would buy.
 The gate is open for a request when its first drafted token clears the bar. As the batch
 grows, E grows, and speculation switches itself off where rows stop being free.
 """
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 # Entropy bin edges (nats) of the last committed token's distribution.
 ENTROPY_EDGES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the exp(-h) prior
+POSITION_BINS = 4  # draft positions 1, 2, 3 and 4+ are estimated apart
+PRIOR_LATER = 0.7  # prior a_j for j > 1: a lookup that was right so far stays right often
 PRIOR_MATCH = 0.6  # the prior's share for a prompt-lookup match (the draft may be wrong
 #                    even where the model is sure)
 EMA = 0.2  # weight of a new step-time measurement
@@ -96,29 +101,44 @@ class StepTimes:
 
 
 class AcceptanceModel:
-    """Online acceptance estimates by (greedy?, entropy bin, match-length bin)."""
+    """Online acceptance estimates by (greedy?, entropy bin, match-length bin) and draft
+    position: a_j, the chance that drafted token j is accepted given that tokens 1..j-1
+    were (a lookup that was right so far tends to stay right, so a_j grows with j)."""
 
-    def __init__(self, max_match: int) -> None:
+    def __init__(self, max_match: int, positions: int = POSITION_BINS) -> None:
         self.max_match = max_match
-        self._counts: dict[tuple[bool, int, int], _Counts] = {}
+        self.positions = positions
+        self._counts: dict[tuple[bool, int, int, int], _Counts] = {}
 
     def key(self, greedy: bool, entropy: float, match: int) -> tuple[bool, int, int]:
         return greedy, entropy_bin(entropy), min(match, self.max_match)
 
-    def rate(self, key: tuple[bool, int, int]) -> float:
+    def prior(self, key: tuple[bool, int, int], position: int) -> float:
         greedy, hb, _ = key
         edges = (0.0, *ENTROPY_EDGES)
         h_mid = (edges[hb] + edges[hb + 1]) / 2 if hb + 1 < len(edges) else edges[hb]
-        prior = PRIOR_MATCH * math.exp(-h_mid) * (1.0 if greedy else 0.8)
-        c = self._counts.get(key)
-        if c is None:
-            return prior
-        return (c.accepted + PRIOR_WEIGHT * prior) / (c.tries + PRIOR_WEIGHT)
+        first = PRIOR_MATCH * math.exp(-h_mid) * (1.0 if greedy else 0.8)
+        return first if position == 1 else max(first, PRIOR_LATER)
+
+    def rates(self, key: tuple[bool, int, int], k: int) -> list[float]:
+        """[a_1, ..., a_k]."""
+        out = []
+        for j in range(1, k + 1):
+            c = self._counts.get((*key, min(j, self.positions)))
+            p = self.prior(key, j)
+            out.append(p if c is None else (c.accepted + PRIOR_WEIGHT * p)
+                       / (c.tries + PRIOR_WEIGHT))
+        return out
+
+    def rate(self, key: tuple[bool, int, int]) -> float:
+        return self.rates(key, 1)[0]
 
     def observe(self, key: tuple[bool, int, int], drafted: int, accepted: int) -> None:
-        c = self._counts.setdefault(key, _Counts())
-        c.tries += min(accepted + 1, drafted)
-        c.accepted += accepted
+        """Tokens 1..accepted were accepted; token accepted + 1 (if drafted) was not."""
+        for j in range(1, min(accepted + 1, drafted) + 1):
+            c = self._counts.setdefault((*key, min(j, self.positions)), _Counts())
+            c.tries += 1
+            c.accepted += j <= accepted
 
 
 @dataclass
@@ -130,24 +150,26 @@ class Candidate:
     max_tokens: int  # draft tokens available and allowed
 
 
-def plan(candidates: list[Candidate], rates: dict[str, float], times: StepTimes,
+def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: StepTimes,
          base_rows: int, base_tokens: int) -> dict[str, int]:
-    """Draft length per request by the threshold rule (see the module docstring)."""
+    """Draft length per request by the threshold rule (see the module docstring);
+    rates[id] = [a_1, a_2, ...], the conditional acceptance of each draft position."""
     k = {c.request_id: 0 for c in candidates}
     if base_rows <= 0:
         return k
-    gains = {c.request_id: rates[c.request_id] for c in candidates}
-    limit = {c.request_id: c.max_tokens for c in candidates}
+    limit = {c.request_id: min(c.max_tokens, len(rates[c.request_id])) for c in candidates}
+    reach = {c.request_id: 1.0 for c in candidates}  # P(all drafted so far accepted)
     rows, tokens = base_rows, float(base_tokens)
     while True:
         best, best_gain = None, 0.0
         for rid, kk in k.items():
             if kk < limit[rid]:
-                g = gains[rid] ** (kk + 1)
+                g = reach[rid] * rates[rid][kk]
                 if g > best_gain:
                     best, best_gain = rid, g
         if best is None or best_gain <= tokens * (times.ratio(rows) - 1.0):
             return k
         k[best] += 1
+        reach[best] = best_gain
         rows += 1
         tokens += best_gain

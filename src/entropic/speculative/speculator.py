@@ -73,7 +73,9 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min,
                                                             config.prompt_lookup_max)
         self.acceptance = AcceptanceModel(config.prompt_lookup_max)
-        self.times = StepTimes()
+        # step times apart for all-greedy steps and steps that sample (a sampled row costs
+        # a softmax, the noise and any top-k/top-p sort on top of a greedy row's argmax)
+        self.times = {False: StepTimes(), True: StepTimes()}
         self.stats = SpeculationStats()
         self._requests: dict[str, SpeculationReading] = {}
         self._keys: dict[str, tuple[bool, int, int]] = {}  # the key of this step's draft
@@ -84,9 +86,11 @@ class Speculator:
         each may draft; `base_rows` the rows the step computes without drafts."""
         cfg = self.config
         self._keys = {}
-        if cfg.disable_by_batch_size is not None and len(requests) >= cfg.disable_by_batch_size:
+        if cfg.disable_by_batch_size is not None and base_rows >= cfg.disable_by_batch_size:
             return {}
         drafts, cands, rates = {}, [], {}
+        sampling = any(not (r.params.greedy and r.params.thermostat is None)
+                       for r, _ in requests)
         for req, cap in requests:
             k = min(cap, cfg.num_speculative_tokens)
             if k <= 0 or not req.entropies:
@@ -100,11 +104,11 @@ class Speculator:
             self._keys[req.request_id] = key
             drafts[req.request_id] = draft
             cands.append(Candidate(req.request_id, key, len(draft)))
-            rates[req.request_id] = self.acceptance.rate(key)
+            rates[req.request_id] = self.acceptance.rates(key, len(draft))
         if cfg.gate == "fixed":
             lengths = {c.request_id: c.max_tokens for c in cands}
         else:
-            lengths = plan(cands, rates, self.times, base_rows, len(requests))
+            lengths = plan(cands, rates, self.times[sampling], base_rows, base_rows)
         out = {rid: drafts[rid][:n] for rid, n in lengths.items() if n > 0}
         self.stats.gate_open += len(out)
         return out
@@ -134,9 +138,10 @@ class Speculator:
         for j in range(accepted):
             pos[j] += 1
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """The wall time of a step that computed only decode and verify rows."""
-        self.times.record(rows, seconds)
+    def observe_step(self, rows: int, seconds: float, sampling: bool) -> None:
+        """The wall time of a step that computed only decode and verify rows (`sampling`:
+        some row was sampled, not greedy)."""
+        self.times[sampling].record(rows, seconds)
 
     def reading(self, request_id: str) -> SpeculationReading | None:
         return self._requests.get(request_id)
