@@ -75,11 +75,12 @@ def test_relative_change():
     assert np.isnan(float(M.relative_change(1.0, 0.0)))
 
 
-def test_configs_are_the_eight_and_parse_round_trips():
+def test_configs_are_the_papers_eight_then_spec_and_parse_round_trips():
     cfgs = all_configs()
-    assert len(cfgs) == 8 and len(set(cfgs)) == 8
+    assert len(cfgs) == 10 and len(set(cfgs)) == 10
     assert cfgs[0] == AblationConfig() and cfgs[0].name == "baseline"
-    assert cfgs[-1].name == "sched+prune+thermo"
+    assert cfgs[7].name == "sched+prune+thermo"
+    assert [c.name for c in cfgs[8:]] == ["spec", "sched+prune+thermo+spec"]
     for c in cfgs:
         assert AblationConfig.parse(c.name) == c
     with pytest.raises(ValueError):
@@ -145,16 +146,16 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
 
     spec = WorkloadSpec(chat=1, chat_max_tokens=8, xsum=1, xsum_max_tokens=8, aclsum=0,
                         strategyqa=1, strategyqa_max_tokens=8, rate=100.0)
-    raw = run_ablation(AblationOptions(configs=["baseline", "thermo"], repeats=1,
+    raw = run_ablation(AblationOptions(configs=["baseline", "thermo", "spec"], repeats=1,
                                        workload=spec, threads=2, progress=False,
                                        aa_control=False,
                                        num_kv_blocks=64))
-    assert raw["configs"] == ["baseline", "thermo"] and raw["items"] == 3
+    assert raw["configs"] == ["baseline", "thermo", "spec"] and raw["items"] == 3
     s = summarise(raw, n_boot=20)
     paths = report.write(raw, s, tmp_path)
     data = json.loads(paths["json"].read_text())
     names = {m.name for m in metric_table(1)}
-    for c in ("baseline", "thermo"):
+    for c in ("baseline", "thermo", "spec"):
         assert set(data["values"][c]) == names
         assert set(data["delta"][c]) == names
     assert data["values"]["baseline"]["rougeL_base"] == pytest.approx(1.0)
@@ -165,6 +166,12 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
     thermo_t = [t for run in raw["runs"]["thermo"] for r in run["records"]
                 for t in r["temperatures"]]
     assert all(0.2 - 1e-6 <= t <= 2.0 + 1e-6 for t in thermo_t)
+    # speculation changes the speed, never the seeded text; its counters are the run's
+    base, spec_run = raw["runs"]["baseline"][0], raw["runs"]["spec"][0]
+    assert [r["text"] for r in spec_run["records"]] == [r["text"] for r in base["records"]]
+    committed = spec_run["engine"]["spec_committed_tokens"]
+    assert 0 < committed <= sum(r["n_tokens"] for r in spec_run["records"])
+    assert "spec_drafted_tokens" not in base["engine"]
     assert "| baseline |" in paths["md"].read_text()
     assert paths["plot_deltas"].stat().st_size > 1000
 

@@ -90,6 +90,48 @@ def test_gate_drafts_where_rows_pay_and_stops_where_they_do_not():
     assert entropy_bin(0.0) == 0 and entropy_bin(10.0) == 6
 
 
+def test_a_shut_bin_is_explored_a_bounded_number_of_times():
+    from entropic.speculative.gate import EXPLORE_TRIES
+    times = StepTimes()
+    for rows, t in ((1, 10.0), (2, 10.2)):
+        times.record(rows, t)
+    model = AcceptanceModel(max_match=5)
+    key = model.key(True, 5.0, 2)  # entropy 5 nats: the prior says a draft never pays
+    rates = {"a": model.rates(key, 4)}
+    assert plan([Candidate("a", key, 4)], rates, times, 1, 1)["a"] == 0
+    explored = 0
+    while model.tries(key) < EXPLORE_TRIES:
+        c = Candidate("a", key, 4, explore=model.tries(key) < EXPLORE_TRIES)
+        k = plan([c], {"a": model.rates(key, 4)}, times, 1, 1)["a"]
+        # one row while the estimate is still the prior; more once acceptances are seen
+        assert k == 1 if explored == 0 else k >= 1
+        model.observe(key, k, 1)  # ... and it was accepted every time
+        explored += 1
+    assert explored == EXPLORE_TRIES
+    # what it learned opens the bin without exploring
+    assert plan([Candidate("a", key, 4)], {"a": model.rates(key, 4)}, times, 1, 1)["a"] >= 1
+
+
+@pytest.mark.parametrize("spec_rate, shut", [(80.0, True), (120.0, False)])
+def test_the_no_regret_check_shuts_drafting_that_loses(spec_rate, shut):
+    from entropic.speculative.speculator import MIN_ARM_STEPS, PROBE_EVERY, _Regret
+    r = _Regret()
+    verdicts = []
+    for _ in range(10 * PROBE_EVERY):
+        v = r.decide()
+        verdicts.append(v)
+        # plain steps deliver 100 tokens/s; drafted ones spec_rate
+        (r.plain if v == "plain" else r.spec).record(100.0 if v == "plain" else spec_rate)
+    late = verdicts[2 * PROBE_EVERY:]
+    plain_share = late.count("plain") / len(late)
+    if shut:  # only the probes draft
+        assert late.count("spec") == len(late) // PROBE_EVERY and plain_share > 0.9
+    else:  # the gate decides, save the plain probes
+        probes = len(late) // PROBE_EVERY
+        assert late.count("plain") == probes and late.count(None) == len(late) - 2 * probes
+    assert verdicts[:MIN_ARM_STEPS] == ["plain"] * MIN_ARM_STEPS
+
+
 def test_acceptance_is_learned_per_position():
     model = AcceptanceModel(max_match=5)
     key = model.key(True, 0.1, 3)

@@ -1,8 +1,11 @@
-"""The ablation (design section 6): baseline, each layer alone, each pair, all three.
+"""The ablation (design section 6): baseline, each layer alone, each pair, all three, and
+speculation alone and with all three.
 
 Layers: macro = entropic scheduling (`LLM(scheduling="entropic")`), meso = KV-block pruning
-(`LLM(pruning=PruningConfig())`), micro = the thermostat (`SamplingParams(thermostat=...)`).
-The baseline is FCFS, dense attention and a fixed temperature. Every configuration serves
+(`LLM(pruning=PruningConfig())`), micro = the thermostat (`SamplingParams(thermostat=...)`),
+and a fourth beside the paper's three, spec = entropy-gated prompt-lookup speculation
+(`LLM(speculative_config=SpeculativeConfig())`, docs/speculative.md).
+The baseline is FCFS, dense attention, a fixed temperature and no speculation. Every configuration serves
 the same workload (workloads.py): same prompts, same arrival times, same per-request seeds,
 in each repeat; repeats draw new arrivals and seeds and rotate the configuration order so
 that drift in machine load is spread over all of them. An A/A control ("baseline-again": a
@@ -25,7 +28,9 @@ from entropic.bench.loadgen import TimedRequest, replay
 from entropic.bench.probes import TemperedEntropyProbe
 from entropic.bench.workloads import FULL, QUICK, WorkItem, WorkloadSpec, build_items, timed
 
-LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
+PAPER_LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
+LAYERS = (*PAPER_LAYERS, "spec")
+SPEC_COUNTERS = ("drafted_tokens", "accepted_tokens", "decode_steps", "committed_tokens")
 AA_NAME = "baseline-again"  # a second, independent engine with the baseline's configuration
 
 
@@ -36,6 +41,7 @@ class AblationConfig:
     sched: bool = False
     prune: bool = False
     thermo: bool = False
+    spec: bool = False
 
     @property
     def name(self) -> str:
@@ -55,11 +61,14 @@ class AblationConfig:
 
 
 def all_configs() -> list[AblationConfig]:
-    """The 8 configurations: baseline, singles, pairs, all three."""
+    """The 10 configurations: the paper's 8 (baseline, singles, pairs, all three), then
+    spec alone and spec with all three."""
     out = []
-    for k in range(len(LAYERS) + 1):
-        for on in combinations(LAYERS, k):
+    for k in range(len(PAPER_LAYERS) + 1):
+        for on in combinations(PAPER_LAYERS, k):
             out.append(AblationConfig(**{p: True for p in on}))
+    out.append(AblationConfig(spec=True))
+    out.append(AblationConfig(**{p: True for p in LAYERS}))
     return out
 
 
@@ -68,7 +77,7 @@ class AblationOptions:
     """What to run. `quick` picks the small workload and one repeat."""
 
     quick: bool = False
-    configs: list[str] | None = None  # names; None = all 8
+    configs: list[str] | None = None  # names; None = all 10
     repeats: int | None = None  # default 2 (full) or 1 (quick)
     workload: WorkloadSpec | None = None
     temperature: float = 0.7  # the baseline's fixed temperature, the thermostat's T_0
@@ -109,15 +118,18 @@ class AblationOptions:
 
 
 def build_llm(cfg: AblationConfig, opts: AblationOptions, probe: TemperedEntropyProbe):
-    """An LLM with the configuration's engine-side layers (scheduling, pruning)."""
+    """An LLM with the configuration's engine-side layers (scheduling, pruning,
+    speculation)."""
     from entropic import LLM
     from entropic.control.pruning import PruningConfig
+    from entropic.speculative import SpeculativeConfig
 
     return LLM(model=opts.model, dtype=opts.dtype, max_num_seqs=opts.max_num_seqs,
                num_kv_blocks=opts.num_kv_blocks,
                max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
                scheduling="entropic" if cfg.sched else "fcfs",
-               pruning=PruningConfig() if cfg.prune else None)
+               pruning=PruningConfig() if cfg.prune else None,
+               speculative_config=SpeculativeConfig() if cfg.spec else None)
 
 
 def sampling_params(item: WorkItem, cfg: AblationConfig, opts: AblationOptions, seed: int):
@@ -197,7 +209,13 @@ def run_ablation(opts: AblationOptions) -> dict:
                     for j, (off, it) in enumerate(load)]
             if bar is not None:
                 bar.set_postfix_str(f"repeat {rep + 1}/{opts.repeats} {name}")
+            spec = llm.engine.speculator
+            spec_before = spec.stats.as_dict() if spec is not None else None
             res = replay(llm.engine, reqs, on_finish=(lambda _o: bar.update(1)) if bar else None)
+            if spec is not None:  # this run's drafts (the gate keeps learning across runs)
+                after = spec.stats.as_dict()
+                res.stats.update({f"spec_{k}": after[k] - spec_before[k]
+                                  for k in SPEC_COUNTERS})
             recs = []
             for it in items:  # record order = item order, the same in every run
                 out = res.outputs[f"r{rep}|{it.key}"]

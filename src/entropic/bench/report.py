@@ -85,7 +85,7 @@ def markdown(raw: dict, summary: dict) -> str:
                      [[c] + [_delta(summary["delta"][c][m], labels[m]["relative"])
                              for m in DELTA_COLS] for c in configs[1:]]))
     sup = summary["superadditivity"]
-    full = [c for c in sup if len(c.split("+")) == 3] or list(sup)  # all three, else pairs
+    full = [c for c in sup if len(c.split("+")) >= 3] or list(sup)  # all three+, else pairs
     aa = summary["delta"].get("baseline-again")
     rows = []
     for c in full:
@@ -114,13 +114,14 @@ def markdown(raw: dict, summary: dict) -> str:
         for r in rs:
             e = r["engine"]
             extra = ", ".join(f"{k} {v:,.0f}" for k, v in e.items()
-                              if "block" in k or "prun" in k or "evict" in k)
+                              if "block" in k or "prun" in k or "evict" in k
+                              or k.startswith("spec_"))
             run_rows.append([c, str(r["repeat"]), f"{r['makespan']:.1f}",
                              f"{r['output_tok_s_makespan']:.1f}",
                              f"{e.get('preemptions', float('nan')):.0f}", extra or "-"])
     parts.append("### Runs\n\n" + _table(["config", "repeat", "makespan (s)",
                                           "output tok/s over makespan", "preemptions",
-                                          "pruning counters"], run_rows))
+                                          "pruning and speculation counters"], run_rows))
     return "\n\n".join(parts) + "\n"
 
 

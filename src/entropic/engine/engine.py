@@ -210,12 +210,7 @@ class LLMEngine:
             sched.chunks = [c for c in sched.chunks if c.request_id not in failed]
         done = time.perf_counter()
         self._account(sched, done - now)
-        if self.speculator is not None and all(c.num_tokens == 1 or c.draft
-                                               for c in sched.chunks):
-            # the whole step, drafting included: what one more drafted row really costs
-            self.speculator.observe_step(
-                result.num_tokens, done - began,
-                any(not (c.params.greedy and c.params.thermostat is None) for c in sched.chunks))
+        pure_decode = all(c.num_tokens == 1 or c.draft for c in sched.chunks)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
                                         result.accepted)
         if self.block_policy is not None:
@@ -234,6 +229,12 @@ class LLMEngine:
                 outputs.append(self._fail(req.request_id, e, req))
         if self.observer is not None:
             self.stats.tau = self.observer.tau_total
+        if self.speculator is not None and pure_decode:
+            # the whole step, drafting and emitting included: what one more drafted row
+            # really costs, and what the step's tokens really took
+            self.speculator.observe_step(
+                result.num_tokens, time.perf_counter() - began,
+                any(not (c.params.greedy and c.params.thermostat is None) for c in sched.chunks))
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelOutput, dict[str, Exception]]:

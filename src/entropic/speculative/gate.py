@@ -17,6 +17,9 @@ The rule: with E the tokens a step commits without drafts (one per decoding requ
 its rows, the next drafted token, among all requests' candidates the one with the highest
 g, is added while g > E * (t(R + 1) / t(R) - 1): it must add more expected tokens than the
 share of the step's tokens that one more row's time would buy.
+Exploration: a bin whose first position has been tested fewer than EXPLORE_TRIES times
+drafts one token whatever the bar says, so that a pessimistic prior cannot keep a bin shut
+for good (bounded cost: EXPLORE_TRIES one-row drafts per bin over the engine's life).
 The gate is open for a request when its first drafted token clears the bar. As the batch
 grows, E grows, and speculation switches itself off where rows stop being free.
 """
@@ -33,6 +36,7 @@ POSITION_BINS = 4  # draft positions 1, 2, 3 and 4+ are estimated apart
 PRIOR_LATER = 0.7  # prior a_j for j > 1: a lookup that was right so far stays right often
 PRIOR_MATCH = 0.6  # the prior's share for a prompt-lookup match (the draft may be wrong
 #                    even where the model is sure)
+EXPLORE_TRIES = 8  # first-position tests per bin before the bar alone decides
 EMA = 0.2  # weight of a new step-time measurement
 MAX_ROWS_TRACKED = 256
 # Before a step with more rows has been measured: one more row costs this share of a row
@@ -130,6 +134,11 @@ class AcceptanceModel:
                        / (c.tries + PRIOR_WEIGHT))
         return out
 
+    def tries(self, key: tuple[bool, int, int], position: int = 1) -> float:
+        """How often draft position `position` of this bin has been tested."""
+        c = self._counts.get((*key, min(position, self.positions)))
+        return 0.0 if c is None else c.tries
+
     def rate(self, key: tuple[bool, int, int]) -> float:
         return self.rates(key, 1)[0]
 
@@ -148,6 +157,7 @@ class Candidate:
     request_id: str
     key: tuple[bool, int, int]
     max_tokens: int  # draft tokens available and allowed
+    explore: bool = False  # its bin is still being explored: draft at least one token
 
 
 def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: StepTimes,
@@ -160,6 +170,12 @@ def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: Step
     limit = {c.request_id: min(c.max_tokens, len(rates[c.request_id])) for c in candidates}
     reach = {c.request_id: 1.0 for c in candidates}  # P(all drafted so far accepted)
     rows, tokens = base_rows, float(base_tokens)
+    for c in candidates:
+        if c.explore and limit[c.request_id] > 0:
+            k[c.request_id] = 1
+            reach[c.request_id] = rates[c.request_id][0]
+            rows += 1
+            tokens += reach[c.request_id]
     while True:
         best, best_gain = None, 0.0
         for rid, kk in k.items():

@@ -15,9 +15,17 @@ from typing import Protocol, Sequence
 from entropic.engine.request import Request
 from entropic.outputs import SpeculationReading
 from entropic.speculative.config import SpeculativeConfig
-from entropic.speculative.gate import (AcceptanceModel, Candidate, StepTimes, bin_label,
-                                       entropy_bin, plan)
+from entropic.speculative.gate import (EXPLORE_TRIES, AcceptanceModel, Candidate, StepTimes,
+                                       bin_label, entropy_bin, plan)
 from entropic.speculative.ngram import NgramProposer
+
+
+# The no-regret check (docs/speculative.md): per (sampling, batch-size bucket), drafted
+# steps must deliver at least the committed tokens per second of plain steps, or the gate
+# shuts; every PROBE_EVERY-th step measures each kind again.
+YIELD_EMA = 0.1
+MIN_ARM_STEPS = 4
+PROBE_EVERY = 16
 
 
 class Proposer(Protocol):
@@ -65,6 +73,45 @@ class SpeculationStats(SpeculationReading):
         }
 
 
+@dataclass
+class _Arm:
+    """EMA output tokens per second of one kind of step (with or without drafts)."""
+
+    rate: float = 0.0
+    n: int = 0
+
+    def record(self, tokens_per_s: float) -> None:
+        self.rate = tokens_per_s if self.n == 0 else (
+            (1 - YIELD_EMA) * self.rate + YIELD_EMA * tokens_per_s)
+        self.n += 1
+
+
+@dataclass
+class _Regret:
+    """The no-regret check of one (sampling, batch-size bucket): what steps with drafts and
+    steps without them actually delivered, in committed tokens per second."""
+
+    plain: _Arm = field(default_factory=_Arm)
+    spec: _Arm = field(default_factory=_Arm)
+    steps: int = 0
+
+    def decide(self) -> str | None:
+        """'plain': draft nothing this step; 'spec': draft as planned even if it loses;
+        None: as planned."""
+        self.steps += 1
+        probe = self.steps % PROBE_EVERY
+        if self.plain.n < MIN_ARM_STEPS or probe == PROBE_EVERY // 2:
+            return "plain"  # keep measuring what the step delivers without drafts
+        if self.spec.n < MIN_ARM_STEPS or probe == 0:
+            return "spec"
+        return "plain" if self.spec.rate < self.plain.rate else None
+
+
+def batch_bucket(rows: int) -> int:
+    """1, 2-3, 4-7, 8-15, ... decoding requests."""
+    return max(rows, 1).bit_length()
+
+
 class Speculator:
     """Drafter + entropy gate + counters, for one engine."""
 
@@ -79,6 +126,10 @@ class Speculator:
         self.stats = SpeculationStats()
         self._requests: dict[str, SpeculationReading] = {}
         self._keys: dict[str, tuple[bool, int, int]] = {}  # the key of this step's draft
+        self.regret: dict[tuple[bool, int], _Regret] = {}
+        # this step's (sampling, bucket) and whether it drafted; tokens it committed
+        self._step: tuple[tuple[bool, int], bool] | None = None
+        self._step_tokens = 0
 
     def propose(self, requests: Sequence[tuple[Request, int]], base_rows: int
                 ) -> dict[str, list[int]]:
@@ -86,6 +137,7 @@ class Speculator:
         each may draft; `base_rows` the rows the step computes without drafts."""
         cfg = self.config
         self._keys = {}
+        self._step, self._step_tokens = None, 0
         if cfg.disable_by_batch_size is not None and base_rows >= cfg.disable_by_batch_size:
             return {}
         drafts, cands, rates = {}, [], {}
@@ -103,12 +155,20 @@ class Speculator:
             key = self.acceptance.key(greedy, req.entropies[-1], match)
             self._keys[req.request_id] = key
             drafts[req.request_id] = draft
-            cands.append(Candidate(req.request_id, key, len(draft)))
+            cands.append(Candidate(req.request_id, key, len(draft),
+                                   explore=self.acceptance.tries(key) < EXPLORE_TRIES))
             rates[req.request_id] = self.acceptance.rates(key, len(draft))
         if cfg.gate == "fixed":
             lengths = {c.request_id: c.max_tokens for c in cands}
         else:
             lengths = plan(cands, rates, self.times[sampling], base_rows, base_rows)
+            bucket = (sampling, batch_bucket(base_rows))
+            verdict = self.regret.setdefault(bucket, _Regret()).decide()
+            if verdict == "plain":
+                lengths = {}
+            elif verdict == "spec" and not any(lengths.values()):
+                lengths = {c.request_id: 1 for c in cands}  # probe with one token each
+            self._step = (bucket, any(n > 0 for n in lengths.values()))
         out = {rid: drafts[rid][:n] for rid, n in lengths.items() if n > 0}
         self.stats.gate_open += len(out)
         return out
@@ -116,6 +176,7 @@ class Speculator:
     def commit(self, req: Request, drafted: int, accepted: int, committed: int) -> None:
         """A decode step of `req` verified `drafted` tokens, accepted `accepted` of them and
         committed `committed` tokens in all (fewer than accepted + 1 where a stop came)."""
+        self._step_tokens += committed
         r = self._requests.setdefault(req.request_id, SpeculationReading())
         for s in (r, self.stats):
             s.decode_steps += 1
@@ -140,8 +201,13 @@ class Speculator:
 
     def observe_step(self, rows: int, seconds: float, sampling: bool) -> None:
         """The wall time of a step that computed only decode and verify rows (`sampling`:
-        some row was sampled, not greedy)."""
+        some row was sampled, not greedy), after its tokens were committed."""
         self.times[sampling].record(rows, seconds)
+        if self._step is not None and seconds > 0 and self._step_tokens > 0:
+            bucket, drafted = self._step
+            arms = self.regret[bucket]
+            (arms.spec if drafted else arms.plain).record(self._step_tokens / seconds)
+        self._step, self._step_tokens = None, 0
 
     def reading(self, request_id: str) -> SpeculationReading | None:
         return self._requests.get(request_id)
