@@ -221,8 +221,11 @@ def llama_cpp_lookup(model_path: str, sets: dict, workloads: list[str], n: int,
         llama_module.llama_cpp.llama_model_default_params = params
 
     def make(draft):
-        return llama_cpp.Llama(model_path=model_path, n_ctx=4096, n_threads=threads,
-                               n_threads_batch=threads, verbose=False, draft_model=draft)
+        # n_batch = n_ctx: with a draft model llama-cpp-python keeps logits for every
+        # evaluated position in an n_batch-row buffer indexed by position (past 512 it fails)
+        return llama_cpp.Llama(model_path=model_path, n_ctx=4096, n_batch=4096,
+                               n_threads=threads, n_threads_batch=threads, verbose=False,
+                               draft_model=draft)
 
     llms = {"off": make(None), "lookup": make(LlamaPromptLookupDecoding(num_pred_tokens=k))}
     eos = llms["off"].token_eos()

@@ -24,6 +24,7 @@ from entropic.sampling_params import ThermostatParams
 from entropic.speculative import SpeculativeConfig, Speculator
 from entropic.speculative.gate import AcceptanceModel, Candidate, StepTimes, entropy_bin, plan
 from entropic.speculative.ngram import NgramProposer
+from entropic.speculative.speculator import _Regret
 
 # prompts that repeat themselves (drafts get accepted) and one that does not
 REPEATS = [
@@ -112,24 +113,41 @@ def test_a_shut_bin_is_explored_a_bounded_number_of_times():
     assert plan([Candidate("a", key, 4)], {"a": model.rates(key, 4)}, times, 1, 1)["a"] >= 1
 
 
-@pytest.mark.parametrize("spec_rate, shut", [(80.0, True), (120.0, False)])
-def test_the_no_regret_check_shuts_drafting_that_loses(spec_rate, shut):
-    from entropic.speculative.speculator import MIN_ARM_STEPS, PROBE_EVERY, _Regret
+@pytest.mark.parametrize("gain, shut", [(0.8, True), (1.2, False)])
+def test_the_no_regret_check_shuts_drafting_that_loses(gain, shut):
+    from entropic.speculative.speculator import MIN_ARM_STEPS, PROBE_EVERY
     r = _Regret()
     verdicts = []
     for _ in range(10 * PROBE_EVERY):
         v = r.decide()
         verdicts.append(v)
-        # plain steps deliver 100 tokens/s; drafted ones spec_rate
-        (r.plain if v == "plain" else r.spec).record(100.0 if v == "plain" else spec_rate)
+        if v == "plain":
+            r.plain_steps += 1
+        else:  # drafted steps deliver `gain` times a plain step's tokens per second
+            r.spec.record(gain)
     late = verdicts[2 * PROBE_EVERY:]
-    plain_share = late.count("plain") / len(late)
+    probes = len(late) // PROBE_EVERY
     if shut:  # only the probes draft
-        assert late.count("spec") == len(late) // PROBE_EVERY and plain_share > 0.9
+        assert late.count("spec") == probes and late.count("plain") == len(late) - probes
     else:  # the gate decides, save the plain probes
-        probes = len(late) // PROBE_EVERY
         assert late.count("plain") == probes and late.count(None) == len(late) - 2 * probes
     assert verdicts[:MIN_ARM_STEPS] == ["plain"] * MIN_ARM_STEPS
+
+
+def test_the_no_regret_gain_compares_with_a_plain_step_of_as_many_requests():
+    spec = Speculator(SpeculativeConfig())
+    bucket = (False, 4)  # 8-15 requests, greedy
+    spec.regret[bucket] = regret = _Regret()
+    for requests, seconds in ((8, 0.08), (12, 0.09)):  # plain steps: 8 and 12 requests
+        spec._step, spec._step_tokens = (bucket, requests, False), requests
+        spec.observe_step(requests, seconds, False)
+    assert regret.plain_steps == 2
+    # 8 requests drafted, 12 tokens committed in 0.10 s: a plain 8-request step gives
+    # 8 tokens in 0.08 s, so the gain is (12 / 0.10) / (8 / 0.08) = 1.2, though a plain
+    # 12-request step (133 tokens/s) beats it
+    spec._step, spec._step_tokens = (bucket, 8, True), 12
+    spec.observe_step(20, 0.10, False)
+    assert regret.spec.n == 1 and regret.spec.rate == pytest.approx(1.2)
 
 
 def test_acceptance_is_learned_per_position():

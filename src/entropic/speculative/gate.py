@@ -65,26 +65,31 @@ class StepTimes:
     """EMA seconds of pure decode steps by number of rows."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    # sorted rows measured and their non-decreasing times, rebuilt after a record (the
+    # gate asks for many times per step, the engine records one per step)
+    _known: list[int] = field(default_factory=list, repr=False)
+    _mono: list[float] = field(default_factory=list, repr=False)
 
     def record(self, rows: int, seconds: float) -> None:
         if not 0 < rows <= MAX_ROWS_TRACKED or not seconds > 0:
             return
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self._known, self._mono = sorted(self.seconds), []
+        run = 0.0
+        for r in self._known:
+            run = max(run, self.seconds[r])
+            self._mono.append(run)
 
     def time(self, rows: int) -> float | None:
         """t(rows): measured (made non-decreasing), interpolated or extrapolated; None
         before any measurement."""
         if not self.seconds:
             return None
-        known = sorted(self.seconds)
-        mono, run = [], 0.0
-        for r in known:
-            run = max(run, self.seconds[r])
-            mono.append(run)
-        if rows in self.seconds:
-            return mono[known.index(rows)]
+        known, mono = self._known, self._mono
         i = bisect.bisect_left(known, rows)
+        if i < len(known) and known[i] == rows:
+            return mono[i]
         if i == 0:
             return mono[0]
         if i < len(known):  # between two measurements

@@ -21,8 +21,9 @@ from entropic.speculative.ngram import NgramProposer
 
 
 # The no-regret check (docs/speculative.md): per (sampling, batch-size bucket), drafted
-# steps must deliver at least the committed tokens per second of plain steps, or the gate
-# shuts; every PROBE_EVERY-th step measures each kind again.
+# steps must deliver at least the committed tokens per second that a plain step with as
+# many requests delivers (its measured time), or the gate shuts; every PROBE_EVERY-th step
+# measures each kind again.
 YIELD_EMA = 0.1
 MIN_ARM_STEPS = 4
 PROBE_EVERY = 16
@@ -40,7 +41,8 @@ class Proposer(Protocol):
 class SpeculationStats(SpeculationReading):
     """Engine-wide counters, with the gate's view."""
 
-    gate_checks: int = 0  # request-steps where a draft was possible
+    gate_checks: int = 0  # request-steps where a draft was possible (steps the no-regret
+    #                       check keeps plain are not looked up, so not counted)
     gate_open: int = 0  # of those, the ones that drafted
     rows_computed: int = 0  # decode and verify rows
     # per entropy bin: [drafted tokens, accepted tokens]
@@ -74,25 +76,24 @@ class SpeculationStats(SpeculationReading):
 
 
 @dataclass
-class _Arm:
-    """EMA output tokens per second of one kind of step (with or without drafts)."""
+class _Gain:
+    """EMA of the measured gain of drafted steps: committed tokens per second of the step
+    over what a plain step with the same requests delivers (tokens / t_plain(requests))."""
 
     rate: float = 0.0
     n: int = 0
 
-    def record(self, tokens_per_s: float) -> None:
-        self.rate = tokens_per_s if self.n == 0 else (
-            (1 - YIELD_EMA) * self.rate + YIELD_EMA * tokens_per_s)
+    def record(self, gain: float) -> None:
+        self.rate = gain if self.n == 0 else (1 - YIELD_EMA) * self.rate + YIELD_EMA * gain
         self.n += 1
 
 
 @dataclass
 class _Regret:
-    """The no-regret check of one (sampling, batch-size bucket): what steps with drafts and
-    steps without them actually delivered, in committed tokens per second."""
+    """The no-regret check of one (sampling, batch-size bucket)."""
 
-    plain: _Arm = field(default_factory=_Arm)
-    spec: _Arm = field(default_factory=_Arm)
+    plain_steps: int = 0
+    spec: _Gain = field(default_factory=_Gain)
     steps: int = 0
 
     def decide(self) -> str | None:
@@ -100,11 +101,11 @@ class _Regret:
         None: as planned."""
         self.steps += 1
         probe = self.steps % PROBE_EVERY
-        if self.plain.n < MIN_ARM_STEPS or probe == PROBE_EVERY // 2:
-            return "plain"  # keep measuring what the step delivers without drafts
+        if self.plain_steps < MIN_ARM_STEPS or probe == PROBE_EVERY // 2:
+            return "plain"  # keep measuring what the step costs without drafts
         if self.spec.n < MIN_ARM_STEPS or probe == 0:
             return "spec"
-        return "plain" if self.spec.rate < self.plain.rate else None
+        return "plain" if self.spec.rate < 1.0 else None
 
 
 def batch_bucket(rows: int) -> int:
@@ -127,8 +128,12 @@ class Speculator:
         self._requests: dict[str, SpeculationReading] = {}
         self._keys: dict[str, tuple[bool, int, int]] = {}  # the key of this step's draft
         self.regret: dict[tuple[bool, int], _Regret] = {}
-        # this step's (sampling, bucket) and whether it drafted; tokens it committed
-        self._step: tuple[tuple[bool, int], bool] | None = None
+        # times of steps without drafts, by requests decoding: the counterfactual of a
+        # drafted step with as many requests
+        self.plain_times = {False: StepTimes(), True: StepTimes()}
+        # this step's (sampling, bucket), its requests and whether it drafted; the tokens
+        # it committed
+        self._step: tuple[tuple[bool, int], int, bool] | None = None
         self._step_tokens = 0
 
     def propose(self, requests: Sequence[tuple[Request, int]], base_rows: int
@@ -143,6 +148,13 @@ class Speculator:
         drafts, cands, rates = {}, [], {}
         sampling = any(not (r.params.greedy and r.params.thermostat is None)
                        for r, _ in requests)
+        verdict = None
+        if cfg.gate != "fixed":
+            bucket = (sampling, batch_bucket(base_rows))
+            verdict = self.regret.setdefault(bucket, _Regret()).decide()
+            if verdict == "plain":  # no lookups either: the step runs as without drafting
+                self._step = (bucket, base_rows, False)
+                return {}
         for req, cap in requests:
             k = min(cap, cfg.num_speculative_tokens)
             if k <= 0 or not req.entropies:
@@ -162,13 +174,9 @@ class Speculator:
             lengths = {c.request_id: c.max_tokens for c in cands}
         else:
             lengths = plan(cands, rates, self.times[sampling], base_rows, base_rows)
-            bucket = (sampling, batch_bucket(base_rows))
-            verdict = self.regret.setdefault(bucket, _Regret()).decide()
-            if verdict == "plain":
-                lengths = {}
-            elif verdict == "spec" and not any(lengths.values()):
+            if verdict == "spec" and not any(lengths.values()):
                 lengths = {c.request_id: 1 for c in cands}  # probe with one token each
-            self._step = (bucket, any(n > 0 for n in lengths.values()))
+            self._step = (bucket, base_rows, any(n > 0 for n in lengths.values()))
         out = {rid: drafts[rid][:n] for rid, n in lengths.items() if n > 0}
         self.stats.gate_open += len(out)
         return out
@@ -204,9 +212,13 @@ class Speculator:
         some row was sampled, not greedy), after its tokens were committed."""
         self.times[sampling].record(rows, seconds)
         if self._step is not None and seconds > 0 and self._step_tokens > 0:
-            bucket, drafted = self._step
-            arms = self.regret[bucket]
-            (arms.spec if drafted else arms.plain).record(self._step_tokens / seconds)
+            bucket, requests, drafted = self._step
+            regret, plain = self.regret[bucket], self.plain_times[bucket[0]]
+            if not drafted:
+                plain.record(rows, seconds)
+                regret.plain_steps += 1
+            elif (t_plain := plain.time(requests)) is not None:
+                regret.spec.record(self._step_tokens * t_plain / (requests * seconds))
         self._step, self._step_tokens = None, 0
 
     def reading(self, request_id: str) -> SpeculationReading | None:
