@@ -17,6 +17,8 @@ import time
 import httpx
 import pytest
 
+from entropic import kernels
+
 pytestmark = pytest.mark.model
 
 openai = pytest.importorskip("openai")
@@ -117,6 +119,9 @@ def test_models_and_health(server, client, model_name):
     assert [m.id for m in models.data] == [model_name]
     h = _health(server)
     assert h["status"] == "ok" and h["kv_blocks_total"] > 0
+    # how the model was loaded (the server was started with --dtype float32)
+    assert h["dtype"] == "float32" and h["dtype_reason"] == "float32: as asked"
+    assert h["isa"] in (*kernels.ISA_LEVELS, None)
 
 
 def test_chat_streaming_matches_non_streaming(client, model_name):

@@ -113,25 +113,46 @@ def test_a_shut_bin_is_explored_a_bounded_number_of_times():
     assert plan([Candidate("a", key, 4)], {"a": model.rates(key, 4)}, times, 1, 1)["a"] >= 1
 
 
-@pytest.mark.parametrize("gain, shut", [(0.8, True), (1.2, False)])
-def test_the_no_regret_check_shuts_drafting_that_loses(gain, shut):
-    from entropic.speculative.speculator import MIN_ARM_STEPS, PROBE_EVERY
-    r = _Regret()
+def _regret_verdicts(r: _Regret, gains) -> list:
     verdicts = []
-    for _ in range(10 * PROBE_EVERY):
+    for gain in gains:
         v = r.decide()
         verdicts.append(v)
         if v == "plain":
             r.plain_steps += 1
         else:  # drafted steps deliver `gain` times a plain step's tokens per second
             r.spec.record(gain)
-    late = verdicts[2 * PROBE_EVERY:]
-    probes = len(late) // PROBE_EVERY
-    if shut:  # only the probes draft
-        assert late.count("spec") == probes and late.count("plain") == len(late) - probes
-    else:  # the gate decides, save the plain probes
-        assert late.count("plain") == probes and late.count(None) == len(late) - 2 * probes
+    return verdicts
+
+
+@pytest.mark.parametrize("gain, shut", [(0.8, True), (1.2, False)])
+def test_the_no_regret_check_shuts_drafting_that_loses(gain, shut):
+    from entropic.speculative.speculator import MAX_PROBE_EVERY, MIN_ARM_STEPS, PROBE_EVERY
+    r = _Regret()
+    verdicts = _regret_verdicts(r, [gain] * 4000)
     assert verdicts[:MIN_ARM_STEPS] == ["plain"] * MIN_ARM_STEPS
+    late = verdicts[2 * PROBE_EVERY:]
+    if shut:  # only probes draft, ever more rarely: the gaps double up to the cap
+        probes = [i for i, v in enumerate(late) if v == "spec"]
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert None not in late and len(probes) >= 8
+        assert gaps == sorted(gaps) and gaps[-1] >= MAX_PROBE_EVERY
+        assert max(gaps) <= MAX_PROBE_EVERY + MAX_PROBE_EVERY // PROBE_EVERY + 1
+    else:  # the gate decides, save the plain probes (every PROBE_EVERY-th step)
+        plain = late.count("plain")
+        assert abs(plain - len(late) / PROBE_EVERY) <= 1 and late.count(None) == len(late) - plain
+
+
+def test_the_no_regret_check_reopens_when_drafting_pays_again():
+    from entropic.speculative.speculator import MAX_PROBE_EVERY, PROBE_EVERY
+    r = _Regret()
+    _regret_verdicts(r, [0.5] * 3000)  # shut, probing at the longest interval
+    assert r.interval == MAX_PROBE_EVERY
+    # the workload changes: drafts pay now; within a few long intervals the gate reopens
+    # (the EMA has to climb past 1), and then a shut would probe at the short interval again
+    verdicts = _regret_verdicts(r, [3.0] * (4 * MAX_PROBE_EVERY))
+    assert verdicts[-PROBE_EVERY:].count(None) >= PROBE_EVERY - 1
+    assert r.interval == PROBE_EVERY
 
 
 def test_the_no_regret_gain_compares_with_a_plain_step_of_as_many_requests():

@@ -52,6 +52,39 @@ def test_matches_transformers(tok, reference, text):
     assert tok.encode(text) == reference.encode(text)
 
 
+@pytest.mark.parametrize("special", [True, False])
+def test_long_texts_match_transformers(tok, reference, special, monkeypatch):
+    """From LONG_TEXT characters on, encode calls the Rust tokenizer's batch call directly
+    (it releases the GIL): the same ids as transformers' encode, special-token strings included."""
+    import entropic.model.tokenizer as module
+
+    text = "".join(TEXTS[:4] + ["<|im_start|>user\nHi<|im_end|>"]) * 40
+    want = reference.encode(text, add_special_tokens=special)
+    monkeypatch.setattr(module, "LONG_TEXT", 1)
+    called = []
+    backend = tok._tok._tokenizer
+    monkeypatch.setattr(tok._tok, "_tokenizer", _Spy(backend, called))
+    assert tok.encode(text, add_special_tokens=special) == want and called
+    assert tok.encode("", add_special_tokens=special) == reference.encode(
+        "", add_special_tokens=special)
+
+
+class _Spy:
+    def __init__(self, inner, called: list) -> None:
+        self._inner, self._called = inner, called
+
+    def encode_batch(self, *a, **k):
+        self._called.append(1)
+        return self._inner.encode_batch(*a, **k)
+
+    def encode_batch_fast(self, *a, **k):
+        self._called.append(1)
+        return self._inner.encode_batch_fast(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 def test_no_bos_added(tok):
     ids = tok.encode("Hello")  # SmolLM2's GGUF says add_bos_token = false
     assert ids == [19556] and tok.bos_token_id not in ids

@@ -6,19 +6,12 @@ import argparse
 import sys
 import time
 
+from entropic.cli_args import add_load_args
 from entropic.speculative.config import add_speculative_args, speculative_from_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="local GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantized projections (CPU, bf16 activations)")
-    p.add_argument("--kernels", choices=("native", "torch"), default=None,
-                   help="native: entropic's C++ CPU kernels for the small per-layer ops and "
-                        "decode attention (the CPU default; compiled on first use); torch: "
-                        "plain torch ops")
+    add_load_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -40,7 +33,8 @@ def _build(args):
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kernels=args.kernels, progress=True, max_model_len=None,
               speculative_config=speculative_from_args(args))
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
+    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}",
+          file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed)

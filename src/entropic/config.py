@@ -16,17 +16,63 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype, with a clear error."""
+    """Map a user-facing dtype name to a torch dtype, with a clear error ("auto" is
+    resolved by `choose_dtype`, which knows the device)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: unsupported {dtype}; use one of bfloat16, float32, float16")
+            raise ValueError(f"dtype: unsupported {dtype}; use one of auto, bfloat16, float32, "
+                             f"float16")
         return dtype
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(
-            f"dtype: unsupported {dtype!r}; use one of bfloat16, float32, float16"
+            f"dtype: unsupported {dtype!r}; use one of auto, bfloat16, float32, float16"
         ) from None
+
+
+# CPU flags that mean bf16 arithmetic in hardware (oneDNN's bf16 matmuls run on them;
+# without them it emulates bf16 through fp32 at a fraction of fp32's speed)
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def choose_dtype(dtype: str | torch.dtype, device: str, quantization: str | None,
+                 cpu_flags: str | None = None) -> tuple[torch.dtype, str]:
+    """The weight/activation dtype to load with, and why. `dtype="auto"` (the default)
+    picks, among the formats within the fidelity bounds of docs/performance.md, the fastest
+    for this device: bfloat16 on a CPU with bf16 arithmetic (avx512_bf16 or amx_bf16) and
+    off the CPU; float32 on a CPU without it, where bf16 is emulated (on an AVX-512 Xeon
+    without bf16: 2.2x slower at 16 requests, 2.6x slower on a 2k prefill; docs/performance.md);
+    bfloat16 whenever int4/int8 is asked for (their kernels take bf16 activations). Any other
+    value is taken as given. `cpu_flags` (a /proc/cpuinfo flags line) is for tests.
+    ENTROPIC_ISA forcing a native level below avx512bf16 counts as a CPU without bf16."""
+    import os
+
+    if not (isinstance(dtype, str) and dtype.lower() == "auto"):
+        chosen = resolve_dtype(dtype)
+        return chosen, f"{_name(chosen)}: as asked"
+    if quantization is not None:
+        return torch.bfloat16, (f"bfloat16: quantization={quantization!r} runs its kernels on "
+                                f"bf16 activations")
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16, f"bfloat16: the default off the CPU ({device})"
+    from entropic import kernels
+
+    flags = set((cpu_flags if cpu_flags is not None else kernels.cpu_flags_line()).split())
+    hardware = [f for f in BF16_CPU_FLAGS if f in flags]
+    forced = os.environ.get("ENTROPIC_ISA")
+    if hardware and forced not in (None, "", "avx512bf16"):
+        return torch.float32, (f"float32: ENTROPIC_ISA={forced} forces kernels without bf16 "
+                               f"arithmetic")
+    if hardware:
+        return torch.bfloat16, (f"bfloat16: this CPU computes bf16 in hardware "
+                                f"({', '.join(hardware)})")
+    return torch.float32, ("float32: this CPU has no bf16 arithmetic (no avx512_bf16 or "
+                           "amx_bf16), where bf16 is emulated and slower than fp32")
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

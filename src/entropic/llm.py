@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import fields
 from typing import Iterator, Sequence
 
 import torch
 
-from entropic.config import EngineConfig, resolve_dtype
+from entropic.config import EngineConfig, choose_dtype
 from entropic.control.clock import EntropicClock
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
@@ -26,6 +27,8 @@ from entropic.sampling_params import SamplingParams
 from entropic.speculative import SpeculativeConfig, Speculator
 from entropic.speculative.draft_model import make_proposer
 
+log = logging.getLogger("entropic")
+
 Prompt = str | Sequence[int]
 Conversation = list[dict]
 
@@ -34,8 +37,9 @@ class LLM:
     """An offline engine: `LLM().generate(prompts, SamplingParams(...))`.
 
     `model` is a local GGUF file, a Hugging Face directory (config.json + safetensors), or
-    None for the embedded SmolLM2-135M-Instruct. Weights are bf16 by default; `dtype="float32"`
-    gives full precision; `quantization="int4"` (a GGUF's Q4 weights as they are, others
+    None for the embedded SmolLM2-135M-Instruct. `dtype="auto"` (the default) picks the fastest
+    format for this CPU (bf16 where it has bf16 arithmetic, fp32 where bf16 would be
+    emulated; `llm.dtype_reason` says which and why); "bfloat16" or "float32" force one; `quantization="int4"` (a GGUF's Q4 weights as they are, others
     rounded to 4-bit groups) or "int8" runs the projections on weight-only quantized kernels
     (bf16 activations, CPU). `kernels` "native" (the default on the CPU) runs the small
     per-layer ops and decode attention on entropic's C++ kernels, compiled on first use
@@ -52,7 +56,7 @@ class LLM:
     to decoding without it.
     """
 
-    def __init__(self, model: str | None = None, dtype: str | torch.dtype = "bfloat16", *,
+    def __init__(self, model: str | None = None, dtype: str | torch.dtype = "auto", *,
                  quantization: str | None = None, kernels: str | None = None,
                  device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
@@ -68,7 +72,7 @@ class LLM:
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
                               max_model_len=max_model_len)
-        torch_dtype = resolve_dtype(dtype)
+        torch_dtype, self.dtype_reason = choose_dtype(dtype, device, quantization)
         check_quantization(quantization, torch_dtype, device)
         if kernels is not None:
             check_kernels(kernels, device)
@@ -110,6 +114,10 @@ class LLM:
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
                                 [self.thermostat, *processors], self.clock, self.pruner,
                                 self.speculator)
+        self.engine.stats.dtype = str(torch_dtype).removeprefix("torch.")
+        self.engine.stats.dtype_reason = self.dtype_reason
+        self.engine.stats.isa = net.isa
+        log.info("dtype %s", self.dtype_reason)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()
 

@@ -60,6 +60,11 @@ class EngineStats:
     decode_blocks_live: int = 0
     decode_blocks_attended: int = 0
     blocks_evicted: int = 0
+    # how the model was loaded: its dtype and why it was chosen, the native kernels' ISA level
+    # (None on torch's ops); set by the LLM that builds the engine
+    dtype: str = ""
+    dtype_reason: str = ""
+    isa: str | None = None
 
     @property
     def pruned_fraction(self) -> float:

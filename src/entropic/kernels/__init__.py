@@ -65,6 +65,11 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags_line() -> str:
+    """This CPU's /proc/cpuinfo flags line (or the platform's processor name)."""
+    return _cpu_flags()
+
+
 def cpu_levels(flags_line: str | None = None) -> tuple[str, ...]:
     """The vector levels (avx512bf16, avx512, avx2) this x86-64 CPU runs, by its flags."""
     if platform.machine().lower() not in ("x86_64", "amd64"):

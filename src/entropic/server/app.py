@@ -133,13 +133,14 @@ def build_app(llm, options: ServerOptions = ServerOptions(),
     @app.get("/health")
     async def health() -> JSONResponse:
         """Liveness plus the load and KV numbers a probe (or a test) wants."""
-        snap = engine.snapshot
+        snap, stats = engine.snapshot, llm.engine.stats
         body = {"status": "ok" if engine.alive else "engine_failed", "model": name,
                 "error": None if engine.error is None else
                 f"{type(engine.error).__name__}: {engine.error}",
                 "requests_in_flight": engine.num_in_flight, "requests_running": snap.running,
                 "requests_waiting": snap.waiting, "kv_blocks_used": snap.kv_blocks_used,
-                "kv_blocks_total": snap.kv_blocks_total, "kv_cache_usage": snap.kv_usage}
+                "kv_blocks_total": snap.kv_blocks_total, "kv_cache_usage": snap.kv_usage,
+                "dtype": stats.dtype, "dtype_reason": stats.dtype_reason, "isa": stats.isa}
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")

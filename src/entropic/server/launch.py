@@ -9,26 +9,20 @@ import argparse
 import os
 import sys
 
+from entropic.cli_args import add_load_args
 from entropic.speculative.config import add_speculative_args, speculative_from_args
 
 API_KEY_ENV = "ENTROPIC_API_KEY"
 # After the engine loop dies the server answers for this long (503s, /health saying why)
 # before it exits 1, so that a probe or a person reading /health sees the cause.
 FATAL_EXIT_DELAY_S = 2.0
+SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval of the server process
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="local GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    add_load_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="the `model` name clients use (default: the checkpoint's file name)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantized projections (CPU, bf16 activations)")
-    p.add_argument("--kernels", choices=("native", "torch"), default=None,
-                   help="native: entropic's C++ CPU kernels for the small per-layer ops and "
-                        "decode attention (the CPU default; compiled on first use); torch: "
-                        "plain torch ops")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: local clients only)")
     p.add_argument("--port", type=int, default=8000)
@@ -127,6 +121,11 @@ def serve(args: argparse.Namespace) -> int:
                             allowed_hosts=allowed_hosts(args.allowed_hosts, args.host,
                                                         default_allowed_hosts))
     protocol = header_timeout_protocol(args.timeout_header)
+    # Three kinds of threads share the GIL here: the event loop, the engine (which gives it
+    # up around every torch op and must take it back) and workers tokenizing or encoding
+    # large bodies. While a worker computes, each take-back waits up to the switch interval;
+    # at the default 5 ms that stretched a decode step of other clients' streams by ~0.1 s.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
@@ -139,7 +138,8 @@ def serve(args: argparse.Namespace) -> int:
               scheduling=args.scheduling,
               pruning=PruningConfig() if args.pruning else None,
               speculative_config=speculative_from_args(args))
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s", file=sys.stderr, flush=True)
+    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}",
+          file=sys.stderr, flush=True)
 
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -28,7 +28,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # draft_model: local GGUF file or Hugging Face directory
-    draft_dtype: str = "bfloat16"
+    draft_dtype: str = "auto"  # as LLM(dtype=...): "auto" picks for this CPU
     draft_quantization: str | None = None
     gate: str = "entropy"
     disable_by_batch_size: int | None = None

@@ -72,7 +72,7 @@ def make_proposer(config: SpeculativeConfig, tokenizer, device: str = "cpu"):
     checkpoint and checked to tokenize like the target."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from entropic.config import EngineConfig, resolve_dtype
+    from entropic.config import EngineConfig, choose_dtype
     from entropic.model.llama import LlamaModel
     from entropic.model.loader import load_checkpoint
 
@@ -80,7 +80,7 @@ def make_proposer(config: SpeculativeConfig, tokenizer, device: str = "cpu"):
     if ckpt.tokenizer.encode(_PROBE) != tokenizer.encode(_PROBE):
         raise ValueError(f"speculative model {config.model!r}: its tokenizer does not match "
                          f"the target model's (a draft must use the same token ids)")
-    dtype = resolve_dtype(config.draft_dtype)
+    dtype, _ = choose_dtype(config.draft_dtype, device, config.draft_quantization)
     net = LlamaModel(ckpt.config, ckpt.tensors, dtype, device,
                      quantization=config.draft_quantization)
     del ckpt.tensors

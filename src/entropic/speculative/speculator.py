@@ -23,10 +23,12 @@ from entropic.speculative.ngram import NgramProposer
 # The no-regret check (docs/speculative.md): per (sampling, batch-size bucket), drafted
 # steps must deliver at least the committed tokens per second that a plain step with as
 # many requests delivers (its measured time), or the gate shuts; every PROBE_EVERY-th step
-# measures each kind again.
+# measures each kind again, and a shut bucket's drafting probes come ever more rarely
+# (interval doubling up to MAX_PROBE_EVERY) while they keep losing.
 YIELD_EMA = 0.1
 MIN_ARM_STEPS = 4
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 256
 
 
 class Proposer(Protocol):
@@ -95,17 +97,28 @@ class _Regret:
     plain_steps: int = 0
     spec: _Gain = field(default_factory=_Gain)
     steps: int = 0
+    # a shut bucket drafts once per `interval` steps; each such probe that finds it still
+    # losing doubles the interval (the regret of probing grows with log(steps), not steps)
+    interval: int = PROBE_EVERY
+    since_probe: int = 0
 
     def decide(self) -> str | None:
         """'plain': draft nothing this step; 'spec': draft as planned even if it loses;
         None: as planned."""
         self.steps += 1
-        probe = self.steps % PROBE_EVERY
-        if self.plain_steps < MIN_ARM_STEPS or probe == PROBE_EVERY // 2:
+        if self.plain_steps < MIN_ARM_STEPS or self.steps % PROBE_EVERY == PROBE_EVERY // 2:
             return "plain"  # keep measuring what the step costs without drafts
-        if self.spec.n < MIN_ARM_STEPS or probe == 0:
+        if self.spec.n < MIN_ARM_STEPS:
             return "spec"
-        return "plain" if self.spec.rate < 1.0 else None
+        if self.spec.rate >= 1.0:
+            self.interval, self.since_probe = PROBE_EVERY, 0
+            return None
+        self.since_probe += 1
+        if self.since_probe < self.interval:
+            return "plain"
+        self.since_probe = 0
+        self.interval = min(2 * self.interval, MAX_PROBE_EVERY)
+        return "spec"
 
 
 def batch_bucket(rows: int) -> int:

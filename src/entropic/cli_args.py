@@ -1,0 +1,19 @@
+"""Command-line options shared by `entropic generate`, `chat` and `serve`: how the model is
+loaded. (Imports nothing heavy: `entropic serve --help` and `generate` stay light.)"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="local GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: bfloat16 on CPUs with bf16 arithmetic, else float32), "
+                        "bfloat16 or float32")
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="weight-only quantized projections (CPU, bf16 activations)")
+    p.add_argument("--kernels", choices=("native", "torch"), default=None,
+                   help="native: entropic's C++ CPU kernels for the small per-layer ops and "
+                        "decode attention (the CPU default; compiled on first use); torch: "
+                        "plain torch ops")
