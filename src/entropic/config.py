@@ -1,6 +1,7 @@
 """Validated configuration dataclasses, built once and passed on (never mutated by owners)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,9 @@ def choose_dtype(dtype: str | torch.dtype, device: str, quantization: str | None
     bfloat16 whenever int4/int8 is asked for (their kernels take bf16 activations). Any other
     value is taken as given. `cpu_flags` (a /proc/cpuinfo flags line) is for tests.
     ENTROPIC_ISA forcing a native level below avx512bf16 counts as a CPU without bf16."""
-    import os
-
     if not (isinstance(dtype, str) and dtype.lower() == "auto"):
         chosen = resolve_dtype(dtype)
-        return chosen, f"{_name(chosen)}: as asked"
+        return chosen, f"{dtype_name(chosen)}: as asked"
     if quantization is not None:
         return torch.bfloat16, (f"bfloat16: quantization={quantization!r} runs its kernels on "
                                 f"bf16 activations")
@@ -71,7 +70,8 @@ def choose_dtype(dtype: str | torch.dtype, device: str, quantization: str | None
                            "amx_bf16), where bf16 is emulated and slower than fp32")
 
 
-def _name(dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")
 
 

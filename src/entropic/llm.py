@@ -114,9 +114,7 @@ class LLM:
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
                                 [self.thermostat, *processors], self.clock, self.pruner,
                                 self.speculator)
-        self.engine.stats.dtype = str(torch_dtype).removeprefix("torch.")
         self.engine.stats.dtype_reason = self.dtype_reason
-        self.engine.stats.isa = net.isa
         log.info("dtype %s", self.dtype_reason)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()

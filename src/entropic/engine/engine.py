@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from entropic.config import EngineConfig, ModelConfig
+from entropic.config import EngineConfig, ModelConfig, dtype_name
 from entropic.engine.block_policy import KVBlockPolicy, decode_context_length
 from entropic.engine.block_pool import BlockPool
 from entropic.engine.cost import ChunkWork, Cost, CostModel, dense_work
@@ -60,8 +60,8 @@ class EngineStats:
     decode_blocks_live: int = 0
     decode_blocks_attended: int = 0
     blocks_evicted: int = 0
-    # how the model was loaded: its dtype and why it was chosen, the native kernels' ISA level
-    # (None on torch's ops); set by the LLM that builds the engine
+    # how the model was loaded: its dtype, the native kernels' ISA level (None on torch's
+    # ops), both from the model; why that dtype, set by the LLM that chose it
     dtype: str = ""
     dtype_reason: str = ""
     isa: str | None = None
@@ -112,7 +112,7 @@ class LLMEngine:
         self.speculator = speculator
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(
             processors, native=getattr(model, "kernels", "torch") == "native"))
-        self.stats = EngineStats()
+        self.stats = EngineStats(dtype=dtype_name(model.dtype), isa=getattr(model, "isa", None))
         self.observer = observer
         self.cost_model = CostModel(mc, torch.empty((), dtype=model.dtype).element_size())
         self._detok: dict[str, IncrementalDetokenizer] = {}
