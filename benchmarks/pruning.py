@@ -38,20 +38,34 @@ from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.engine.engine import LLMEngine
 
 BLOCK = 16
+
+
+def _ungated(**kw) -> PruningConfig:
+    """A configuration with the no-regret gate off: the mechanism itself, at every context."""
+    return PruningConfig(min_attention_share=0.0, **kw)
+
+
 CONFIGS = {
     "dense": None,
-    "mass rho=0.5": PruningConfig(min_keep_fraction=0.5),
-    "mass rho=0.25": PruningConfig(min_keep_fraction=0.25),
-    "mass rho=0.125": PruningConfig(min_keep_fraction=0.125),
-    "surprisal rho=0.25": PruningConfig(score="surprisal", min_keep_fraction=0.25),
-    "hybrid rho=0.25": PruningConfig(score="hybrid", min_keep_fraction=0.25),
+    "mass rho=0.5": _ungated(score="mass", min_keep_fraction=0.5),
+    "mass rho=0.25": _ungated(score="mass", min_keep_fraction=0.25),
+    "mass rho=0.125": _ungated(score="mass", min_keep_fraction=0.125),
+    "surprisal rho=0.25": _ungated(score="surprisal", min_keep_fraction=0.25),
+    "hybrid rho=0.25": _ungated(score="hybrid", min_keep_fraction=0.25),
     # entropy-blind controls: the same budget at every step
-    "mass fixed 0.75": PruningConfig(min_keep_fraction=0.75, adaptive=False),
-    "mass fixed 0.5": PruningConfig(min_keep_fraction=0.5, adaptive=False),
+    "mass fixed 0.75": _ungated(score="mass", min_keep_fraction=0.75, adaptive=False),
+    "mass fixed 0.5": _ungated(score="mass", min_keep_fraction=0.5, adaptive=False),
+    # query-aware: blocks chosen per layer and KV head inside attention by their key bound
+    "bound rho=0.25": _ungated(score="bound", min_keep_fraction=0.25),
+    "bound fixed 0.5": _ungated(score="bound", min_keep_fraction=0.5, adaptive=False),
+    "bound fixed 0.25": _ungated(score="bound", min_keep_fraction=0.25, adaptive=False),
+    "bound fixed 0.125": _ungated(score="bound", min_keep_fraction=0.125, adaptive=False),
+    # the defaults, no-regret gate included
+    "default": PruningConfig(),
 }
-DEFAULT_CONFIGS = ("dense", "mass rho=0.5", "mass rho=0.25", "mass rho=0.125",
-                   "surprisal rho=0.25", "hybrid rho=0.25")
-QUICK_CONFIGS = ("dense", "mass rho=0.25", "surprisal rho=0.25")
+DEFAULT_CONFIGS = ("dense", "mass rho=0.25", "mass fixed 0.5", "surprisal rho=0.25",
+                   "bound rho=0.25", "bound fixed 0.5", "bound fixed 0.25", "default")
+QUICK_CONFIGS = ("dense", "mass rho=0.25", "bound rho=0.25", "default")
 
 
 def engine_for(llm: LLM, cfg: PruningConfig | None, processors=(), **limits) -> LLMEngine:
@@ -117,6 +131,63 @@ def forced(llm: LLM, docs: list[dict], contexts: list[int], cont: int, configs: 
     return rows
 
 
+# ---- part 5: decode speed in alternating rounds -------------------------------------------
+def speed(llm: LLM, docs: list[dict], contexts: list[int], batches: list[int], steps: int,
+          rounds: int, configs: list[str], log) -> list[dict]:
+    """Greedy decode of `batch` prefilled documents at once, each configuration in turn,
+    rounds rotating the order: per round and configuration, decode tokens/s (batch / the
+    median step time); the ratio to dense is taken within each round, then the median."""
+    sp = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    rows = []
+    for L in contexts:
+        for batch in batches:
+            prompts = [llm.tokenizer.encode(d["text"])[:L] for d in docs[:batch]]
+            need = batch * (-(-(L + steps) // BLOCK) + 1)
+            pres = [PrefilledPrompt.run(engine_for(llm, None, num_kv_blocks=need), p,
+                                        SamplingParams(max_tokens=steps, temperature=0))
+                    for p in prompts]
+            engines = {n: engine_for(llm, CONFIGS[n], num_kv_blocks=need,
+                                     max_num_seqs=max(batch, 1)) for n in configs}
+            per_round = []
+            for r in range(rounds):
+                order = configs[r % len(configs):] + configs[:r % len(configs)]
+                got = {}
+                for name in order:
+                    eng = engines[name]
+                    before = eng.stats.decode_blocks_live, eng.stats.decode_blocks_attended
+                    for i, pre in enumerate(pres):
+                        pre.start_in(eng, f"s{r}-{i}", sp)
+                    outs = eng.run_until_done()
+                    gap = statistics.median(median_gap(o.metrics.token_times) for o in outs)
+                    live = eng.stats.decode_blocks_live - before[0]
+                    kept = eng.stats.decode_blocks_attended - before[1]
+                    got[name] = (batch / gap, 1 - kept / live if live else 0.0)
+                per_round.append(got)
+            for name in configs:
+                tok = [g[name][0] for g in per_round]
+                ratio = [g[name][0] / g["dense"][0] for g in per_round]
+                row = {"context": L, "batch": batch, "config": name,
+                       "tok_s": statistics.median(tok), "x_dense": statistics.median(ratio),
+                       "ratio_min": min(ratio), "ratio_max": max(ratio),
+                       "pruned": per_round[-1][name][1], "rounds": rounds}
+                rows.append(row)
+                log(f"  L={L:5d} batch {batch:2d} {name:>18}: {row['tok_s']:6.1f} tok/s "
+                    f"{row['x_dense']:.2f}x dense [{row['ratio_min']:.2f}, "
+                    f"{row['ratio_max']:.2f}] pruned {row['pruned']:.2f}")
+            del engines, pres
+    return rows
+
+
+def speed_table(rows: list[dict]) -> str:
+    out = ["| context | batch | config | decode tok/s | x dense (median, [min, max] over rounds) "
+           "| blocks skipped |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['context']} | {r['batch']} | {r['config']} | {r['tok_s']:.1f} | "
+                   f"{r['x_dense']:.2f}x [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}] | "
+                   f"{r['pruned']:.2f} |")
+    return "\n".join(out)
+
+
 # ---- part 2: summaries ------------------------------------------------------------------
 def summary_prompt(llm: LLM, text: str, L: int) -> list[int]:
     body = llm.tokenizer.decode(llm.tokenizer.encode(text)[:L])
@@ -163,7 +234,8 @@ def eviction(llm: LLM, papers: list[dict], n: int, L: int, max_tokens: int, log)
     tight = full // 2
     runs = [("dense, unconstrained", None, full + n), ("dense", None, tight),
             ("mass rho=0.25", CONFIGS["mass rho=0.25"], tight),
-            ("mass rho=0.25 + evict", PruningConfig(min_keep_fraction=0.25, evict=True), tight)]
+            ("mass rho=0.25 + evict",
+             _ungated(score="mass", min_keep_fraction=0.25, evict=True), tight)]
     rows, ref = [], None
     for name, cfg, blocks in runs:
         eng = engine_for(llm, cfg, num_kv_blocks=blocks, max_num_seqs=n)
@@ -273,7 +345,11 @@ def main() -> None:
                     help="configurations (dense first); default: all but the fixed controls")
     ap.add_argument("--contexts", nargs="+", type=int, default=None)
     ap.add_argument("--parts", nargs="+", default=["forced", "summaries", "eviction", "scoring"],
-                    choices=["forced", "summaries", "eviction", "scoring"])
+                    choices=["forced", "summaries", "eviction", "scoring", "speed"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4],
+                    help="speed part: decode rows at once")
+    ap.add_argument("--rounds", type=int, default=3, help="speed part: alternating rounds")
+    ap.add_argument("--steps", type=int, default=32, help="speed part: tokens decoded")
     args = ap.parse_args()
     if args.threads < 1:
         ap.error("--threads must be at least 1")
@@ -298,7 +374,7 @@ def main() -> None:
     if any(not 0 < L <= limit for L in contexts):
         ap.error(f"--contexts must be in 1..{limit} (the context length less {cont} "
                  f"continuation tokens), got {contexts}")
-    forced_rows = sum_rows = ev_rows = sc_rows = []
+    forced_rows = sum_rows = ev_rows = sc_rows = speed_rows = []
     tables = []
     if "forced" in args.parts:
         log("## part 1: teacher-forced continuation")
@@ -319,6 +395,11 @@ def main() -> None:
                       + "\n".join(f"| {r['context']} | {r['prefill_s']:.2f} | "
                                   f"{r['prefill_scored_s']:.2f} | {r['ratio']:.2f}x |"
                                   for r in sc_rows))
+    if "speed" in args.parts:
+        log("## part 5: decode speed, configurations in alternating rounds")
+        speed_rows = speed(llm, papers + plays, contexts, args.batches, args.steps, args.rounds,
+                           configs, log)
+        tables.append(speed_table(speed_rows))
     report = "\n\n".join(tables)
     print("\n" + report)
     meta = {"threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
@@ -326,7 +407,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "forced": forced_rows,
                                           "summaries": sum_rows, "eviction": ev_rows,
-                                          "scoring": sc_rows,
+                                          "scoring": sc_rows, "speed": speed_rows,
                                           "report": report}, indent=1))
     log(f"wrote {args.out} ({meta['wall_s']:.0f} s)")
 

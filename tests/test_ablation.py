@@ -180,8 +180,36 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
                                       ({"n_boot": 0}, "--bootstrap"),
                                       ({"temperature": 0.0}, "--temperature"),
                                       ({"target_entropy": -1.0}, "--target-entropy"),
-                                      ({"configs": ["baseline", "bogus"]}, "bogus")])
+                                      ({"configs": ["baseline", "bogus"]}, "bogus"),
+                                      ({"regime": "steady"}, "--regime")])
 def test_bad_options_are_refused_before_any_run(kw, flag):
     from entropic.bench.ablation import AblationOptions
     with pytest.raises(ValueError, match=flag):
         AblationOptions(quick=True, **kw).resolved()
+
+
+def test_regimes_set_the_workload_and_the_engine_limits():
+    from entropic.bench.ablation import AblationOptions
+    from entropic.bench.workloads import REGIMES
+    long = AblationOptions(regime="long").resolved()
+    assert long.workload == REGIMES["long"].full and long.workload.longdoc == 8
+    assert (long.num_kv_blocks, long.max_num_seqs) == (1024, 8)
+    quick = AblationOptions(regime="interactive", quick=True).resolved()
+    assert quick.workload.rate < AblationOptions(quick=True).resolved().workload.rate
+    # explicit limits win over the regime's
+    assert AblationOptions(regime="long", num_kv_blocks=77).resolved().num_kv_blocks == 77
+    assert AblationOptions().resolved().num_kv_blocks == 400  # (a), as before
+
+
+@pytest.mark.model
+def test_long_regime_items_are_long_documents_with_equal_output_work(llm_fp32):
+    from entropic.bench.workloads import REGIMES, build_items
+    items = build_items(llm_fp32.tokenizer, REGIMES["long"].full)
+    assert [i.kind for i in items] == ["longdoc"] * 8
+    lengths = [len(i.prompt_ids) for i in items]
+    assert 4096 < min(lengths) and max(lengths) < 8192 - 128
+    assert all(i.ignore_eos and i.max_tokens == 128 for i in items)
+    assert sum(i.reference is not None for i in items) == 4  # papers: their abstracts
+    # a KV pool too small for all of them at once
+    blocks = sum(-(-(n + 128) // 16) for n in lengths)
+    assert blocks > 2 * REGIMES["long"].num_kv_blocks

@@ -84,7 +84,8 @@ def test_selection_keeps_sink_recent_and_budget(num, entropy, sink, recent, min_
 
 
 def test_lower_entropy_attends_fewer_blocks():
-    cfg = PruningConfig(min_keep_fraction=0.25, h_low=0.5, h_high=3.0, refresh_interval=1000)
+    cfg = PruningConfig(score="mass", min_keep_fraction=0.25, h_low=0.5, h_high=3.0,
+                        refresh_interval=1000)
     sizes = []
     for h in (4.0, 2.5, 1.5, 0.2):
         pruner = EntropicBlockPruner(cfg, 16)
@@ -96,7 +97,7 @@ def test_lower_entropy_attends_fewer_blocks():
 
 
 def test_refresh_and_first_decode_are_dense():
-    cfg = PruningConfig(min_keep_fraction=0.25, refresh_interval=4)
+    cfg = PruningConfig(score="mass", min_keep_fraction=0.25, refresh_interval=4)
     pruner = EntropicBlockPruner(cfg, 16)
     req = _req(entropy=0.1)
     live = list(range(20))
@@ -182,7 +183,7 @@ def _run_pruned(num_blocks, specs, evict, max_num_seqs=8, budget=64):
     bs = 4
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, bs)
-    pruner = EntropicBlockPruner(PruningConfig(min_keep_fraction=0.25, min_blocks=2,
+    pruner = EntropicBlockPruner(PruningConfig(score="mass", min_keep_fraction=0.25, min_blocks=2,
                                                recent_blocks=1, evict=evict), bs)
     sched = Scheduler(kv, max_num_seqs, budget, 10_000, (), None, pruner)
     runner = PrunedFakeRunner(bs)
@@ -251,8 +252,9 @@ def test_pruned_decode_reads_fewer_kv_bytes_and_stays_close(llm_fp32, chat_promp
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     eng = llm_fp32.engine
     runs = {}
-    for name, cfg in (("dense", None), ("pruned", PruningConfig(min_keep_fraction=0.3,
-                                                                h_high=50.0))):
+    for name, cfg in (("dense", None), ("pruned", PruningConfig(score="mass", min_keep_fraction=0.3,
+                                                                h_high=50.0,
+                                                                min_attention_share=0.0))):
         pruner = EntropicBlockPruner(cfg, 16) if cfg else None
         e = LLMEngine(eng.model, eng.tokenizer, eng.config, block_policy=pruner)
         e.add_request("x", long_prompt, sp)

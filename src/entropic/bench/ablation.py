@@ -26,7 +26,8 @@ import torch
 
 from entropic.bench.loadgen import TimedRequest, replay
 from entropic.bench.probes import TemperedEntropyProbe
-from entropic.bench.workloads import FULL, QUICK, WorkItem, WorkloadSpec, build_items, timed
+from entropic.bench.workloads import (KINDS, REGIMES, WorkItem, WorkloadSpec, build_items,
+                                      timed)
 
 PAPER_LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
 LAYERS = (*PAPER_LAYERS, "spec")
@@ -74,9 +75,11 @@ def all_configs() -> list[AblationConfig]:
 
 @dataclass
 class AblationOptions:
-    """What to run. `quick` picks the small workload and one repeat."""
+    """What to run. `regime` picks the workload and engine limits (workloads.REGIMES);
+    `quick` its small workload and one repeat. Limits left None come from the regime."""
 
     quick: bool = False
+    regime: str = "mixed"
     configs: list[str] | None = None  # names; None = all 10
     repeats: int | None = None  # default 2 (full) or 1 (quick)
     workload: WorkloadSpec | None = None
@@ -85,9 +88,9 @@ class AblationOptions:
     eta: float = 0.2
     t_min: float = 0.2
     t_max: float = 2.0
-    max_num_seqs: int = 16
-    num_kv_blocks: int = 400
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
     threads: int | None = 1
     seed: int = 0
     n_boot: int = 1000
@@ -99,7 +102,13 @@ class AblationOptions:
     def resolved(self) -> "AblationOptions":
         """Defaults filled in and every option checked (ValueError naming the option)."""
         o = AblationOptions(**asdict(self))
-        o.workload = self.workload or (QUICK if self.quick else FULL)
+        if self.regime not in REGIMES:
+            raise ValueError(f"--regime must be one of {sorted(REGIMES)}, got {self.regime!r}")
+        regime = REGIMES[self.regime]
+        o.workload = self.workload or (regime.quick if self.quick else regime.full)
+        for k in ("max_num_seqs", "num_kv_blocks", "max_num_batched_tokens"):
+            if getattr(o, k) is None:
+                setattr(o, k, getattr(regime, k))
         if isinstance(o.workload, dict):
             o.workload = WorkloadSpec(**o.workload)
         o.repeats = self.repeats if self.repeats is not None else (1 if self.quick else 2)
@@ -229,6 +238,6 @@ def run_ablation(opts: AblationOptions) -> dict:
     meta["threads"] = torch.get_num_threads()
     return {"options": meta, "configs": list(engines),
             "items": len(items), "kinds": {k: sum(i.kind == k for i in items)
-                                           for k in ("chat", "xsum", "aclsum", "strategyqa")},
+                                           for k in KINDS if any(i.kind == k for i in items)},
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
             "runs": runs, "wall_seconds": time.perf_counter() - t_start}

@@ -19,8 +19,8 @@ from entropic.bench.metrics import (bleu_from_stats, bleu_stats, interval, paire
                                     parse_yes_no, relative_change, rouge_f, superadditivity)
 
 COLLAPSE_NATS = 0.05  # H^T below this is a collapsed step (as in benchmarks/thermostat.py)
-TEXT_KINDS = ("chat", "xsum", "aclsum")
-REF_KINDS = ("xsum", "aclsum")
+TEXT_KINDS = ("chat", "xsum", "aclsum", "longdoc")
+REF_KINDS = ("xsum", "aclsum", "longdoc")  # those of them with a reference (plays have none)
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,12 @@ def fields_of(runs: dict, baseline: str, target: float) -> dict[str, dict[str, n
                        "kv_bytes_read", "tau")}
         f["tokens"] = np.array([r["n_tokens"] for r in recs], dtype=float)
         kinds = [r["kind"] for r in recs]
-        f["m_ref"] = np.array([k in REF_KINDS for k in kinds], dtype=float)
+        f["m_ref"] = np.array([k in REF_KINDS and bool(r["reference"])
+                               for r, k in zip(recs, kinds)], dtype=float)
         f["m_text"] = np.array([k in TEXT_KINDS for k in kinds], dtype=float)
         f["m_sqa"] = np.array([k == "strategyqa" for k in kinds], dtype=float)
         hyps = [r["text"] for r in recs]
-        refs = [r["reference"] if k in REF_KINDS else "" for r, k in zip(recs, kinds)]
+        refs = [r["reference"] or "" if k in REF_KINDS else "" for r, k in zip(recs, kinds)]
         bases = [b["text"] if k in TEXT_KINDS else "" for b, k in zip(base_recs, kinds)]
         for src, other, mask in (("ref", refs, f["m_ref"]), ("base", bases, f["m_text"])):
             rouge = rouge_f(hyps, other)

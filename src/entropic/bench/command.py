@@ -14,6 +14,9 @@ def add_parsers(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a.add_argument("--quick", action="store_true",
                    help="small workload, 1 repeat (about 2 minutes on 2 cores)")
+    a.add_argument("--regime", default="mixed", choices=("mixed", "long", "interactive"),
+                   help="workload and engine limits: (a) mixed saturated, (b) long documents "
+                   "under KV-memory pressure, (c) interactive, unsaturated arrivals")
     a.add_argument("--out", default="results/ablation", help="output directory")
     a.add_argument("--configs", nargs="+", default=None,
                    help="subset, baseline first (e.g. baseline sched thermo sched+thermo); "
@@ -41,12 +44,14 @@ def cmd_ablation(args) -> int:
     from entropic.bench import report
     from entropic.bench.ablation import AblationOptions, run_ablation
     from entropic.bench.ablation_stats import summarise
-    from entropic.bench.workloads import FULL, QUICK
+    from entropic.bench.workloads import REGIMES
 
-    spec = QUICK if args.quick else FULL
+    regime = REGIMES[args.regime]
+    spec = regime.quick if args.quick else regime.full
     if args.rate is not None:
         spec = replace(spec, rate=args.rate)
-    opts = AblationOptions(quick=args.quick, configs=args.configs, repeats=args.repeats,
+    opts = AblationOptions(quick=args.quick, regime=args.regime, configs=args.configs,
+                           repeats=args.repeats,
                            workload=spec, temperature=args.temperature,
                            target_entropy=args.target_entropy, threads=args.threads,
                            seed=args.seed, n_boot=args.bootstrap, progress=args.progress,

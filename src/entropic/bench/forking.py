@@ -90,6 +90,8 @@ class PrefilledPrompt:
             raise RuntimeError(f"{rid}: not enough KV blocks for a {len(self.prompt)}-token prompt")
         slots = _slots(engine.kv.block_table(rid), len(self.prompt), engine.config.block_size)
         engine.runner.kv.kv[:, slots] = self.kv
+        bs = engine.config.block_size  # the full blocks' key bounds, where the cache keeps them
+        engine.runner.kv.update_key_bounds(engine.kv.block_table(rid)[:len(self.prompt) // bs])
         sched.waiting.remove(req)
         sched.running.append(req)
         req.status = RequestStatus.RUNNING

@@ -57,6 +57,7 @@ def markdown(raw: dict, summary: dict) -> str:
     w = o["workload"]
     kinds = ", ".join(f"{v} {k}" for k, v in raw["kinds"].items())
     parts = [
+        f"Regime: {o.get('regime', 'mixed')}. "
         f"Workload: {raw['items']} requests per run ({kinds}), "
         f"{raw['prompt_tokens']:,} prompt tokens, Poisson arrivals at {w['rate']}/s; "
         f"{o['repeats']} repeat(s), {summary['n_requests']} request pairs in the bootstrap "

@@ -6,22 +6,32 @@
   reference summaries;
 - aclsum: summaries of ACL papers (long context, the document cut to a token budget),
   scored against the challenge/approach/outcome reference;
-- strategyqa: yes/no questions (BIG-bench), scored by accuracy.
-The task families stop at EOS (or max_tokens), as a user would see them.
+- strategyqa: yes/no questions (BIG-bench), scored by accuracy;
+- longdoc: summaries of long documents (ACLSum paper bodies, scored against their
+  abstracts, and Shakespeare acts, compared with the baseline's text only) cut to 4k-8k
+  tokens, with long outputs of equal length in every configuration (EOS ignored).
+The task families but chat and longdoc stop at EOS (or max_tokens), as a user would see them.
+
+Three regimes (`REGIMES`, docs/ablation.md): (a) "mixed", the four short families
+saturating the engine; (b) "long", long documents under KV-memory pressure; (c)
+"interactive", the mixed families arriving slower than the engine serves them.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
-from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_strategyqa, load_xsum
+from entropic.bench.datasets import (load_aclsum, load_longdocs, load_sharegpt_prompts,
+                                     load_strategyqa, load_xsum)
 from entropic.bench.loadgen import poisson_offsets
 
-KINDS = ("chat", "xsum", "aclsum", "strategyqa")
+KINDS = ("chat", "xsum", "aclsum", "strategyqa", "longdoc")
 XSUM_PROMPT = "Summarize the following news article in one sentence.\n\n{article}"
 ACLSUM_PROMPT = ("Summarize this paper in three sentences: the challenge it addresses, its "
                  "approach, and its outcome.\n\n{title}\n\n{document}")
 STRATEGYQA_PROMPT = "Answer the question with yes or no.\n\nQuestion: {question}"
+LONGDOC_PROMPT = ("Summarize the following text in a few paragraphs: what it is about and its "
+                  "main points.\n\n{title}\n\n{document}")
 
 
 @dataclass(frozen=True)
@@ -37,10 +47,15 @@ class WorkloadSpec:
     aclsum_context: int = 1200  # tokens of the paper kept (the prompt adds ~40)
     strategyqa: int = 40
     strategyqa_max_tokens: int = 8
+    longdoc: int = 0  # long documents, papers and plays in turn
+    longdoc_max_tokens: int = 128
+    longdoc_contexts: tuple[int, ...] = (4096, 6144, 7936)  # document tokens, in turn
     rate: float = 3.0  # Poisson arrivals per second, all kinds together
 
     def __post_init__(self) -> None:
-        for k in ("chat", "xsum", "aclsum", "strategyqa"):
+        if self.longdoc and not self.longdoc_contexts:
+            raise ValueError("longdoc_contexts must not be empty")
+        for k in ("chat", "xsum", "aclsum", "strategyqa", "longdoc"):
             if getattr(self, k) < 0:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
         if self.rate <= 0:
@@ -50,6 +65,38 @@ class WorkloadSpec:
 FULL = WorkloadSpec()
 QUICK = WorkloadSpec(chat=8, chat_max_tokens=32, xsum=4, xsum_max_tokens=32, aclsum=2,
                      aclsum_max_tokens=32, aclsum_context=768, strategyqa=8, rate=4.0)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A workload and the engine limits it runs under (full and --quick sizes)."""
+
+    name: str
+    description: str
+    full: WorkloadSpec
+    quick: WorkloadSpec
+    num_kv_blocks: int = 400
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+
+
+REGIMES = {
+    "mixed": Regime("mixed", "(a) chat, summaries, long-ish papers and short answers in one "
+                    "saturating Poisson stream; little KV pressure", FULL, QUICK),
+    # 8 documents of 4k-8k tokens need ~3,100 blocks; 1,024 (16k tokens) hold 2-3 at once
+    "long": Regime("long", "(b) summaries of 4k-8k-token documents arriving together, 128 "
+                   "output tokens each, a KV pool that holds 2-3 of them at once",
+                   WorkloadSpec(chat=0, xsum=0, aclsum=0, strategyqa=0, longdoc=8, rate=1.0),
+                   WorkloadSpec(chat=0, xsum=0, aclsum=0, strategyqa=0, longdoc=4,
+                                longdoc_contexts=(4096,), rate=2.0),
+                   num_kv_blocks=1024, max_num_seqs=8),
+    "interactive": Regime("interactive", "(c) the mixed families arriving slower than the "
+                          "engine serves them (unsaturated: latency matters, not throughput)",
+                          WorkloadSpec(chat=16, xsum=6, aclsum=2, strategyqa=16, rate=0.5),
+                          WorkloadSpec(chat=6, chat_max_tokens=32, xsum=2, xsum_max_tokens=32,
+                                       aclsum=1, aclsum_max_tokens=32, aclsum_context=768,
+                                       strategyqa=6, rate=0.7)),
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +143,18 @@ def build_items(tokenizer, spec: WorkloadSpec, max_prompt_tokens: int = 512) -> 
         ids = _chat(tokenizer, STRATEGYQA_PROMPT.format(question=rec["question"]))
         items.append(WorkItem(f"strategyqa:{rec['id']}", "strategyqa", ids,
                               spec.strategyqa_max_tokens, False, answer=rec["answer"]))
+    if spec.longdoc:
+        papers, plays = load_longdocs("paper"), load_longdocs("play")
+        docs = [d for pair in zip(papers, plays) for d in pair]
+        if spec.longdoc > len(docs):
+            raise ValueError(f"longdoc: {spec.longdoc} requested, {len(docs)} documents packaged")
+        for i, rec in enumerate(docs[:spec.longdoc]):
+            context = spec.longdoc_contexts[i % len(spec.longdoc_contexts)]
+            doc_ids = tokenizer.encode(rec["text"])[:context]
+            ids = _chat(tokenizer, LONGDOC_PROMPT.format(title=rec["title"],
+                                                         document=tokenizer.decode(doc_ids)))
+            items.append(WorkItem(f"longdoc:{rec['id']}", "longdoc", ids,
+                                  spec.longdoc_max_tokens, True, rec["reference"]))
     return items
 
 

@@ -5,7 +5,8 @@ blocks with I_b >= theta_t are attended, theta_t rising as the sequence's entrop
 dense when the model is uncertain, sparse when it is certain. Always attended: the first
 `sink_blocks` blocks, the `recent_blocks` most recent, and at least `min_blocks`.
 
-I_b (the `score` option):
+I_b (the `score` option; "bound", the default, is query-aware and measured best in
+docs/pruning.md):
 - "mass": the share of attention the block receives, summed over layers and heads (H2O's
   heavy hitters, per block), measured at dense steps: the first decode after the prompt
   and every `refresh_interval`-th decode attend every block and report their shares (an
@@ -14,7 +15,17 @@ I_b (the `score` option):
 - "surprisal": the mean surprisal -log p of the block's tokens (prompt tokens are scored by
   teacher forcing, which costs one lm_head row per prompt token).
 - "hybrid": (1 - w) * mass / mean(mass) + w * surprisal / mean(surprisal).
+- "bound": query-aware, per layer and KV head, inside attention: the pruner sets only the
+  budget, and the decode attention kernel ranks the blocks of each layer by an upper bound
+  on their keys' scores against that layer's query, sum_i max(q_i min_i, q_i max_i) over
+  the elementwise minimum and maximum of the block's keys (kept per full block in the KV
+  cache). No dense steps, no stored I_b: the score is the current query's.
 docs/pruning.md compares them.
+
+No regret: pruning is worth its bookkeeping only where attention is a real share of a
+decode's cost. The engine's cost model says how large (`CostModel.attention_share`: a
+row's KV bytes against its share of the weights the step streams); below
+`min_attention_share` the decode is dense.
 
 theta_t as a budget: the sequence keeps the ceil(rho(H_t) * live) highest-I_b blocks,
   rho(H) = rho_min + (1 - rho_min) * clip((H - h_low) / (h_high - h_low), 0, 1),
@@ -32,17 +43,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from entropic.engine.block_policy import BlockSelection
+from entropic.engine.block_policy import BlockBudget, BlockSelection
+from entropic.engine.cost import CostModel
 from entropic.engine.request import Request
 
-SCORES = ("mass", "surprisal", "hybrid")
+SCORES = ("mass", "surprisal", "hybrid", "bound")
 
 
 @dataclass(frozen=True)
 class PruningConfig:
     """Knobs of the block pruner; `LLM(pruning=PruningConfig())` turns it on."""
 
-    score: str = "mass"
+    score: str = "bound"
     hybrid_weight: float = 0.5
     min_keep_fraction: float = 0.25  # rho_min: the sparsest budget, at low entropy
     # False: keep min_keep_fraction at every step whatever the entropy (an entropy-blind
@@ -57,6 +69,9 @@ class PruningConfig:
     refresh_interval: int = 16  # mass scores: every this many decodes, one dense step
     mass_decay: float = 0.5  # weight of the old value in the moving average
     evict: bool = False
+    # no-regret gate: prune a decode only where its attention is at least this share of
+    # its cost by the engine's cost model (0: always)
+    min_attention_share: float = 0.2
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -86,6 +101,13 @@ class PruningConfig:
             raise ValueError(f"pruning.min_blocks must be >= 1, got {self.min_blocks}")
         if self.refresh_interval < 1:
             raise ValueError(f"pruning.refresh_interval must be >= 1, got {self.refresh_interval}")
+        if not 0.0 <= self.min_attention_share <= 1.0:
+            raise ValueError(f"pruning.min_attention_share must be in [0, 1], "
+                             f"got {self.min_attention_share}")
+        if self.evict and self.score == "bound":
+            raise ValueError("pruning.evict needs a stored I_b per block (score 'mass', "
+                             "'surprisal' or 'hybrid'); score 'bound' ranks blocks by the "
+                             "current query only")
         if not 0.0 <= self.mass_decay < 1.0:
             raise ValueError(f"pruning.mass_decay must be in [0, 1), got {self.mass_decay}")
 
@@ -122,7 +144,20 @@ class EntropicBlockPruner:
         self.block_size = block_size
         self.uses_mass = config.score in ("mass", "hybrid")
         self.wants_prompt_surprisal = config.score in ("surprisal", "hybrid")
+        self.wants_key_bounds = config.score == "bound"
         self._seqs: dict[str, _Sequence] = {}
+        self._cost: CostModel | None = None
+
+    def bind(self, cost: CostModel) -> None:
+        self._cost = cost
+
+    def pays(self, num_live: int, decode_rows: int) -> bool:
+        """The no-regret gate: whether attention over `num_live` blocks is at least
+        `min_attention_share` of a decode's cost in a step of `decode_rows` rows."""
+        if self._cost is None or self.config.min_attention_share <= 0:
+            return True
+        share = self._cost.attention_share(num_live * self.block_size, decode_rows)
+        return share >= self.config.min_attention_share
 
     # ---- scores -------------------------------------------------------------------------
     def scores(self, request_id: str, indices: Sequence[int]) -> list[float] | None:
@@ -163,10 +198,21 @@ class EntropicBlockPruner:
                    math.ceil(self.config.keep_fraction(entropy) * num_live - 1e-9))
 
     # ---- the hook -----------------------------------------------------------------------
-    def select(self, req: Request, live: list[int], num_blocks: int) -> BlockSelection:
+    def select(self, req: Request, live: list[int], num_blocks: int,
+               decode_rows: int = 1) -> BlockSelection:
         cfg = self.config
+        if cfg.score == "bound":
+            if not req.entropies or not self.pays(len(live), decode_rows):
+                return BlockSelection(None)
+            budget = self.budget(req.entropies[-1], len(live))
+            if budget >= len(live):
+                return BlockSelection(None)
+            return BlockSelection(None, budget=BlockBudget(budget, cfg.sink_blocks,
+                                                           cfg.recent_blocks))
         s = self._seqs.setdefault(req.request_id, _Sequence())
         s.grow(num_blocks)
+        if not self.pays(len(live), decode_rows):
+            return BlockSelection(None)
         dense = BlockSelection(None, collect_attention=self.uses_mass)
         if not req.entropies or (self.uses_mass
                                  and s.decodes_since_dense >= cfg.refresh_interval - 1):

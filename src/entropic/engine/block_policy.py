@@ -12,17 +12,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from entropic.engine.cost import CostModel
 from entropic.engine.request import Request
+
+
+@dataclass(frozen=True)
+class BlockBudget:
+    """Query-aware selection: attend `blocks` of the decode's live blocks, chosen inside
+    attention for each layer and KV head by an upper bound on their keys' scores against
+    that layer's query; the first `sink` and the last `recent` live blocks always count
+    among them."""
+
+    blocks: int
+    sink: int
+    recent: int
 
 
 @dataclass(frozen=True)
 class BlockSelection:
     """What one decode attends: `attend`, indices into its block table (ascending, the
     last block included; None: every live block), and whether to report the attention mass
-    each attended block receives (explicit softmax: slower than the fused kernel)."""
+    each attended block receives (explicit softmax: slower than the fused kernel).
+    `budget` (with attend None): choose the blocks per layer inside attention instead."""
 
     attend: list[int] | None = None
     collect_attention: bool = False
+    budget: BlockBudget | None = None
 
 
 class KVBlockPolicy(Protocol):
@@ -31,10 +46,19 @@ class KVBlockPolicy(Protocol):
     # Ask the runner for teacher-forced surprisal of prompt tokens (costs an lm_head row
     # per prompt token).
     wants_prompt_surprisal: bool
+    # Ask the KV cache to keep each full block's key bounds (query-aware selection needs
+    # them: 1 / block_size more KV memory).
+    wants_key_bounds: bool
 
-    def select(self, req: Request, live: list[int], num_blocks: int) -> BlockSelection:
+    def bind(self, cost: CostModel) -> None:
+        """The engine's cost model, given once before the first step."""
+        ...
+
+    def select(self, req: Request, live: list[int], num_blocks: int,
+               decode_rows: int) -> BlockSelection:
         """The blocks the request's next decode attends, chosen from `live` (the indices of
-        its table not evicted); `num_blocks` blocks hold its context."""
+        its table not evicted); `num_blocks` blocks hold its context; the step decodes
+        `decode_rows` rows."""
         ...
 
     def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],

@@ -59,7 +59,8 @@ def dense_work(request_id: str, start: int, num_tokens: int, sampled: bool,
 class CostModel:
     """Turns a step's chunk geometry into per-request costs for one model."""
 
-    def __init__(self, config: ModelConfig, kv_element_bytes: int) -> None:
+    def __init__(self, config: ModelConfig, kv_element_bytes: int,
+                 weight_element_bytes: float | None = None) -> None:
         c = config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
@@ -68,6 +69,16 @@ class CostModel:
         self.lm_head_per_row = 2.0 * c.vocab_size * c.hidden_size
         self.attention_per_pair = 4.0 * c.num_layers * c.num_heads * c.head_dim
         self.kv_bytes_per_position = 2.0 * c.num_layers * kv * kv_element_bytes
+        # bytes of weights one step streams (projections and lm_head), shared by its rows
+        wb = kv_element_bytes if weight_element_bytes is None else weight_element_bytes
+        self.weight_bytes = (self.linear_per_token + self.lm_head_per_row) / 2.0 * wb
+
+    def attention_share(self, context: int, rows: int) -> float:
+        """Decode on a CPU is bound by memory traffic: the share of one row's bytes that its
+        attention reads, a context of `context` positions against its 1 / rows share of the
+        weights the step streams."""
+        kv = self.kv_bytes_per_position * context
+        return kv / (kv + self.weight_bytes / max(rows, 1))
 
     def chunk_cost(self, w: ChunkWork) -> Cost:
         return Cost(

@@ -25,6 +25,26 @@ from entropic.sampling_params import SamplingParams
 
 log = logging.getLogger("entropic.engine")
 
+# bytes per weight of the quantized formats (codes and their scales), for the cost model
+WEIGHT_BYTES = {"int4": 0.625, "int8": 1.0}
+
+
+def budget_work(c: ScheduledChunk, block_size: int) -> ChunkWork:
+    """A decode under query-aware selection: it reads one bound row (the bytes of one KV
+    position, and about one position's attention FLOPs to score it) per candidate block
+    outside the protected ones, and attends the positions of `blocks` blocks, the last of
+    them partial."""
+    b = c.attend_budget
+    live = (c.start_pos // block_size + 1 if c.attend_blocks is None
+            else len(c.attend_blocks))
+    if b.blocks >= live:
+        n = (c.start_pos + 1 if c.attend_blocks is None
+             else decode_context_length(c.attend_blocks, c.start_pos, block_size))
+        return ChunkWork(c.request_id, 1, c.sample, n, n)
+    scored = max(0, live - min(b.sink, live) - b.recent)
+    n = (b.blocks - 1) * block_size + c.start_pos % block_size + 1
+    return ChunkWork(c.request_id, 1, c.sample, n + scored, n + scored)
+
 
 class TokenObserver(Protocol):
     """Hook: sees each sampled token's entropy, reports per-request readings.
@@ -110,11 +130,16 @@ class LLMEngine:
                                    speculator)
         self.block_policy = block_policy
         self.speculator = speculator
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, Sampler(
-            processors, native=getattr(model, "kernels", "torch") == "native"))
+        self.runner = ModelRunner(
+            model, self.num_blocks, config.block_size,
+            Sampler(processors, native=getattr(model, "kernels", "torch") == "native"),
+            key_bounds=block_policy is not None and block_policy.wants_key_bounds)
         self.stats = EngineStats(dtype=dtype_name(model.dtype), isa=getattr(model, "isa", None))
         self.observer = observer
-        self.cost_model = CostModel(mc, torch.empty((), dtype=model.dtype).element_size())
+        self.cost_model = CostModel(mc, torch.empty((), dtype=model.dtype).element_size(),
+                                    WEIGHT_BYTES.get(getattr(model, "quantization", None)))
+        if block_policy is not None:
+            block_policy.bind(self.cost_model)
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # ---- requests ---------------------------------------------------------------------
@@ -378,15 +403,23 @@ class LLMEngine:
         if self.block_policy is not None and c.num_tokens == 1 and c.start_pos > 0:
             num = c.start_pos // bs + 1
             self.stats.decode_blocks_live += sum(b != EVICTED for b in c.block_table[:num])
-            self.stats.decode_blocks_attended += (num if c.attend_blocks is None
-                                                  else len(c.attend_blocks))
+            live = num if c.attend_blocks is None else len(c.attend_blocks)
+            self.stats.decode_blocks_attended += (live if c.attend_budget is None
+                                                  else min(live, c.attend_budget.blocks))
         if c.draft:  # every verify row ran the lm_head; rows past the first are "scored"
+            if c.attend_budget is not None:
+                rows = [budget_work(r, bs) for r in verify_rows(c, bs)]
+                return ChunkWork(c.request_id, c.num_tokens, True,
+                                 sum(w.attended_pairs for w in rows),
+                                 rows[-1].kv_positions_read, len(c.draft))
             if c.attend_blocks is None:
                 return dense_work(c.request_id, c.start_pos, c.num_tokens, True, len(c.draft))
             ctx = [decode_context_length(r.attend_blocks, r.start_pos, bs)
                    for r in verify_rows(c, bs)]
             return ChunkWork(c.request_id, c.num_tokens, True, sum(ctx), ctx[-1],
                              len(c.draft))
+        if c.attend_budget is not None:
+            return budget_work(c, bs)
         if c.attend_blocks is None:
             return dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample,
                               len(c.score_targets or ()))

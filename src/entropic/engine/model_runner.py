@@ -11,7 +11,8 @@ import torch
 from entropic.engine.block_policy import decode_context_length
 from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
                                        ScheduledChunk)
-from entropic.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from entropic.model.attention import (AttentionMetadata, DecodeGroup, KVCache, PrefillChunk,
+                                      QueryAwareSelection)
 from entropic.model.llama import LlamaModel
 from entropic.sampling.sampler import Sampler, SamplingBatch, score_tokens
 
@@ -38,11 +39,16 @@ def verify_rows(c: ScheduledChunk, block_size: int) -> list[ScheduledChunk]:
     for j, t in enumerate(c.token_ids):
         pos = c.start_pos + j
         attend = c.attend_blocks
+        new_blocks = pos // block_size - c.start_pos // block_size
         if attend is not None:
             attend = attend + list(range(attend[-1] + 1, pos // block_size + 1))
+        budget = c.attend_budget
+        if budget is not None:  # the blocks its drafted positions reach come on top
+            budget = replace(budget, blocks=budget.blocks + new_blocks)
         rows.append(replace(c, token_ids=[t], start_pos=pos, sample=True,
                             num_output_tokens=c.num_output_tokens + j, score_targets=None,
-                            attend_blocks=attend, collect_attention=False, draft=[]))
+                            attend_blocks=attend, collect_attention=False, draft=[],
+                            attend_budget=budget))
     return rows
 
 
@@ -82,10 +88,10 @@ class ModelRunner:
     """Owns the model weights, the KV cache tensors and the sampler."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, key_bounds: bool = False) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv: KVCache = model.make_kv_cache(num_blocks, block_size)
+        self.kv: KVCache = model.make_kv_cache(num_blocks, block_size, key_bounds=key_bounds)
         self.sampler = sampler or Sampler()
         self.device = model.device
         self.keep_logits = False  # tests read raw logits through this switch
@@ -162,8 +168,9 @@ class ModelRunner:
                     else torch.tensor(lengths, dtype=torch.long, device=self.device))
             mass = (torch.zeros(len(decodes), ctx, dtype=torch.float32, device=self.device)
                     if any(c.collect_attention for c in decodes) else None)
+            keep, selection = self._budgets(decodes)
             meta.decode_groups.append(DecodeGroup(0, len(decodes), ctx, slots.reshape(-1),
-                                                  None, mass, lens))
+                                                  None, mass, lens, keep, selection))
             return
         order = sorted(range(len(decodes)), key=lambda r: ctxs[r][1])
         if order != list(range(len(decodes))):
@@ -179,8 +186,37 @@ class ModelRunner:
                 mask = (torch.arange(ctx, device=self.device) < lens[:, None])[:, None, None, :]
             if any(decodes[r].collect_attention for r in order[start:end]):
                 mass = torch.zeros(end - start, ctx, dtype=torch.float32, device=self.device)
+            keep, selection = self._budgets([decodes[r] for r in order[start:end]])
+            if selection is not None and lens is None:
+                lens = torch.full((end - start,), ctx, dtype=torch.long, device=self.device)
             meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask, mass,
-                                                  lens))
+                                                  lens, keep, selection))
+
+    def _budgets(self, decodes: list[ScheduledChunk]
+                 ) -> tuple[torch.Tensor | None, QueryAwareSelection | None]:
+        """Per row, the blocks a query-aware selection keeps (a row without a budget keeps
+        all of them), and the selection's parameters; (None, None) if no row has one."""
+        budgets = [c.attend_budget for c in decodes if c.attend_budget is not None]
+        if not budgets:
+            return None, None
+        b = budgets[0]
+        if any((x.sink, x.recent) != (b.sink, b.recent) for x in budgets):
+            raise RuntimeError("decode rows of one step ask for different protected blocks")
+        if self.kv.bounds_offset is None:
+            raise RuntimeError("a block budget needs a KV cache with key bounds "
+                               "(the block policy must set wants_key_bounds)")
+        keep = [c.attend_budget.blocks if c.attend_budget is not None else 1 << 40
+                for c in decodes]
+        return (torch.tensor(keep, dtype=torch.long, device=self.device),
+                QueryAwareSelection(self.block_size, self.kv.bounds_offset, b.sink, b.recent))
+
+    def _update_key_bounds(self, chunks: list[ScheduledChunk]) -> None:
+        """Key bounds of the blocks this step filled (a block's bounds are read only once it
+        is full and no longer the last of its sequence)."""
+        bs = self.block_size
+        full = {c.block_table[b] for c in chunks
+                for b in range(c.start_pos // bs, (c.start_pos + c.num_tokens) // bs)}
+        self.kv.update_key_bounds(sorted(full))
 
     def _block_mass(self, decodes: list[ScheduledChunk], meta: AttentionMetadata
                     ) -> dict[str, list[float]]:
@@ -230,6 +266,8 @@ class ModelRunner:
             return ModelOutput({}, 0)
         chunks, input_ids, positions, meta, logits_idx = self.prepare(out)
         logits = self.model.forward(input_ids, positions, meta, self.kv, logits_idx)
+        if self.kv.bounds_offset is not None:
+            self._update_key_bounds(out.chunks)
         samplers = [c for c in chunks if c.sample]
         scores = self._score_prompts(chunks, logits[len(samplers):])
         logits = logits[:len(samplers)]

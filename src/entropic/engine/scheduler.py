@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from entropic.engine.block_policy import KVBlockPolicy
+from entropic.engine.block_policy import BlockBudget, KVBlockPolicy
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
@@ -38,6 +38,9 @@ class ScheduledChunk:
     # each attended block receives.
     attend_blocks: list[int] | None = None
     collect_attention: bool = False
+    # Query-aware selection: attention chooses this many of the blocks above (per layer and
+    # KV head); None: it attends them all.
+    attend_budget: BlockBudget | None = None
     # A verify: the decode's pending token is followed by these drafted tokens
     # (token_ids[1:]); each of the chunk's rows is sampled, and the drafted tokens are
     # committed while they match what the target model samples.
@@ -198,9 +201,11 @@ class Scheduler:
             granted.append((req, n))
             budget -= n
         drafts = self._drafts(granted, budget) if self.draft_policy is not None else {}
+        decode_rows = sum(1 + len(drafts.get(req.request_id, ())) for req, n in granted
+                          if n == 1)
         for req, n in granted:  # after every eviction of this step: tables are final
             start = req.num_computed_tokens
-            attend, collect = self._decode_blocks(req, start, n)
+            attend, collect, attend_budget = self._decode_blocks(req, start, n, decode_rows)
             draft = drafts.get(req.request_id, [])
             out.chunks.append(ScheduledChunk(
                 request_id=req.request_id,
@@ -213,6 +218,7 @@ class Scheduler:
                 score_targets=self._score_targets(req, start, n),
                 attend_blocks=attend,
                 collect_attention=collect and not draft,
+                attend_budget=attend_budget,
                 draft=draft,
             ))
         return out
@@ -267,19 +273,28 @@ class Scheduler:
             return None
         return req.token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)]
 
-    def _decode_blocks(self, req: Request, start: int, n: int) -> tuple[list[int] | None, bool]:
-        """The blocks a decode attends (None: all) and whether to report attention mass."""
+    def _decode_blocks(self, req: Request, start: int, n: int, decode_rows: int
+                       ) -> tuple[list[int] | None, bool, BlockBudget | None]:
+        """The blocks a decode attends (None: all), whether to report attention mass, and
+        the budget of a query-aware selection among them."""
         rid = req.request_id
         bp = self.block_policy
         if bp is None:
-            return None, False  # nothing is ever evicted without a block policy
+            return None, False, None  # nothing is ever evicted without a block policy
         if n != 1 or start < req.num_prompt_tokens:
             if n > 1 and self.kv.num_evicted(rid):
                 raise RuntimeError(f"request {rid!r}: a {n}-token chunk over evicted blocks")
-            return None, False
+            return None, False, None
         num = start // self.kv.block_size + 1  # blocks holding positions 0..start
         live = [i for i in self.kv.live_indices(rid) if i < num]
-        selection = bp.select(req, live, num)
+        selection = bp.select(req, live, num, decode_rows)
+        budget = selection.budget
+        if budget is not None and (selection.attend is not None or selection.collect_attention
+                                   or not 1 <= budget.blocks):
+            raise RuntimeError(f"block policy chose an invalid budget {budget} for request "
+                               f"{rid!r}")
+        if budget is not None and budget.blocks >= len(live):
+            budget = None
         attend = selection.attend
         if attend is None and len(live) < num:
             attend = live
@@ -291,7 +306,7 @@ class Scheduler:
                                    f"{rid!r} (live {live}, last block {num - 1})")
             if len(attend) == num:
                 attend = None
-        return attend, selection.collect_attention
+        return attend, selection.collect_attention, budget
 
     def _grow(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
               preempted: set[str]) -> bool:

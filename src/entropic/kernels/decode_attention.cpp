@@ -1,7 +1,14 @@
 // Paged decode attention: one new token per row against the context slots of that row, read
 // in place from the paged KV cache (no gather, no padding). Scores and softmax in fp32
 // (decode_attention_math.h: the math of one row and KV head, per ISA level).
-//   paged_decode_attention(q, kv_cache, slots, lengths, scale, mass) -> out
+//   paged_decode_attention(q, kv_cache, slots, lengths, scale, mass, keep, block_size,
+//                          bounds_offset, sink, recent) -> out
+// With `keep`, a row r whose context spans more than keep[r] blocks attends only keep[r] of
+// them, chosen here for this layer and each KV head (query-aware selection): its first
+// `sink` and last `recent` blocks, and the others of highest score, a block's score being
+// max over the KV head's query heads h of bound_h(block), an upper bound on q_h.k over the
+// block's keys (the bound rows of block b sit at cache row bounds_offset + b). Skipped blocks are neither read nor
+// computed, beyond their bound row.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,7 +29,9 @@ constexpr int64_t kLookaheadSlots = 256;
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& slots, const std::optional<at::Tensor>& lengths,
-                                  double scale, const std::optional<at::Tensor>& mass) {
+                                  double scale, const std::optional<at::Tensor>& mass,
+                                  const std::optional<at::Tensor>& keep, int64_t block_size,
+                                  int64_t bounds_offset, int64_t sink, int64_t recent) {
   check_cpu_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode_attention: q must be [rows, heads, head_dim], heads contiguous");
@@ -64,11 +73,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                 "paged_decode_attention: mass must be a contiguous float32 [rows, ctx] tensor");
     mass_ptr = mass->data_ptr<float>();
   }
+  const int64_t* keep_ptr = nullptr;
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->scalar_type() == at::kLong && keep->numel() == n && keep->is_contiguous(),
+                "paged_decode_attention: keep must be a contiguous int64 [rows] tensor");
+    TORCH_CHECK(mass_ptr == nullptr, "paged_decode_attention: keep and mass exclude each other");
+    TORCH_CHECK(block_size >= 1 && sink >= 0 && recent >= 1,
+                "paged_decode_attention: need block_size >= 1, sink >= 0, recent >= 1");
+    keep_ptr = keep->data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(keep_ptr[r] >= 1, "paged_decode_attention: keep of row ", r, " must be >= 1");
+      const int64_t nb = (len[r] + block_size - 1) / block_size;
+      if (keep_ptr[r] >= nb) continue;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s0 = sl[r * ctx + b * block_size];
+        TORCH_CHECK(s0 % block_size == 0 && bounds_offset + s0 / block_size < num_slots,
+                    "paged_decode_attention: row ", r, " block ", b,
+                    " does not start a block, or has no bound row");
+      }
+    }
+  }
   auto out = at::empty({n, heads * d}, q.options());
   const int64_t rep = heads / kv_heads;
   dispatch(q, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const auto attend = active().typed<T>().attend;
+    const auto key_bounds = active().typed<T>().key_bounds;
     const T* qp = ptr<T>(q);
     const T* cache = ptr<T>(kv_cache);
     T* op = ptr<T>(out);
@@ -83,6 +113,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(items, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> buf;  // the scratch of one (row, KV head), grown as rows need
+      std::vector<int64_t> rows, chosen, picked;  // query-aware selection: bound rows, order
+      std::vector<float> score;
       // With whole rows as items, a thread claims its next row before it starts the current
       // one and fetches that row's first kLookaheadSlots slots while it computes: a row's
       // first pass over its scattered blocks would otherwise wait on memory.
@@ -98,12 +130,54 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         buf.resize(std::max<int64_t>(buf.size(), rep * (2 * d + padded + 2)));
         const AttendScratch ws{buf.data(), buf.data() + rep * d, buf.data() + rep * (d + padded),
                                buf.data() + rep * (2 * d + padded)};
+        const int64_t nb = keep_ptr ? (len[r] + block_size - 1) / block_size : 0;
+        const bool select = keep_ptr != nullptr && keep_ptr[r] < nb;
         for (int64_t g = g0; g < g1; ++g) {
+          const T* qg = qp + r * q.stride(0) + g * rep * d;
+          T* og = op + r * heads * d + g * rep * d;
+          if (select) {
+            // candidates: every block but the first `sink` and the last `recent`
+            const int64_t lo = std::min(sink, nb), hi = std::max(lo, nb - recent);
+            const int64_t want = std::max<int64_t>(0, keep_ptr[r] - lo - (nb - hi));
+            const int64_t m = hi - lo;
+            rows.resize(m);
+            score.resize((rep + 1) * m);
+            for (int64_t b = lo; b < hi; ++b)
+              rows[b - lo] = bounds_offset + sl[r * ctx + b * block_size] / block_size;
+            key_bounds(qg, d, cache, rows.data(), m, g, kv_heads, d, rep, ws.qf,
+                       score.data() + m);
+            // a block's score: its largest bound over the query heads (a head whose bound
+            // is high everywhere has peaked attention, where the choice matters most)
+            for (int64_t b = 0; b < m; ++b) {
+              float best = score[m + b];
+              for (int64_t h = 1; h < rep; ++h) best = std::max(best, score[(h + 1) * m + b]);
+              score[b] = best;
+            }
+            chosen.resize(hi - lo);
+            for (int64_t b = 0; b < hi - lo; ++b) chosen[b] = b;
+            const auto better = [&](int64_t a, int64_t b) {  // higher bound, then earlier
+              return score[a] > score[b] || (score[a] == score[b] && a < b);
+            };
+            if (want < hi - lo)
+              std::nth_element(chosen.begin(), chosen.begin() + want, chosen.end(), better);
+            chosen.resize(std::min(want, hi - lo));
+            std::sort(chosen.begin(), chosen.end());
+            picked.clear();  // the attended slots, in block order
+            const auto take = [&](int64_t b) {
+              const int64_t end = std::min(len[r], (b + 1) * block_size);
+              for (int64_t j = b * block_size; j < end; ++j) picked.push_back(sl[r * ctx + j]);
+            };
+            for (int64_t b = 0; b < lo; ++b) take(b);
+            for (int64_t c : chosen) take(lo + c);
+            for (int64_t b = hi; b < nb; ++b) take(b);
+            attend(qg, d, cache, picked.data(), int64_t(picked.size()), g, kv_heads, d, rep,
+                   float(scale), og, nullptr, ws, Lookahead{});
+            continue;
+          }
           // the next row's slots, a share per KV head
           const Lookahead la{ahead ? sl + following * ctx + g * count / kv_heads : nullptr,
                              (g + 1) * count / kv_heads - g * count / kv_heads, covered};
-          attend(qp + r * q.stride(0) + g * rep * d, d, cache, sl + r * ctx, len[r], g, kv_heads,
-                 d, rep, float(scale), op + r * heads * d + g * rep * d,
+          attend(qg, d, cache, sl + r * ctx, len[r], g, kv_heads, d, rep, float(scale), og,
                  mass_ptr ? mass_ptr + r * ctx : nullptr, ws, la);
         }
         covered = count;
@@ -118,7 +192,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor? lengths, "
-        "float scale, Tensor(a!)? mass) -> Tensor");
+        "float scale, Tensor(a!)? mass, Tensor? keep=None, int block_size=16, "
+        "int bounds_offset=0, int sink=0, int recent=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {

@@ -238,6 +238,51 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
 }
 #endif
 
+// Query-aware block selection (docs/pruning.md): an upper bound on q.k over the keys of a
+// block, from the elementwise minimum and maximum of those keys (kept after the cache's
+// slots, one bound row per block: the minima where a slot has K, the maxima where it has V):
+//   bound = sum_i max(q_i * min_i, q_i * max_i) >= q.k for every key k of the block.
+// out[h * n + j]: the bound of block j for query head h of the `rep` that share the KV head.
+// `rows`: the cache row of each block's bound; qf: rep * d floats of scratch.
+template <typename T>
+void key_bounds(const T* q, int64_t q_head_stride, const T* cache, const int64_t* rows,
+                int64_t n, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
+                float* qf, float* out) {
+  const int64_t slot_size = 2 * kv_heads * d;
+  for (int64_t h = 0; h < rep; ++h)
+    for (int64_t i = 0; i < d; ++i) qf[h * d + i] = load(q + h * q_head_stride + i);
+#if defined(ENTROPIC_SIMD)
+  if (d % 16 == 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* mn = cache + rows[j] * slot_size + kv_head * d;
+      const T* mx = mn + kv_heads * d;
+      for (int64_t h = 0; h < rep; ++h) {
+        const float* qh = qf + h * d;
+        F16 a = f16_zero();
+        for (int64_t i = 0; i < d; i += 16) {
+          const F16 qv = load16(qh + i);
+          a = add(a, max16(mul(qv, load16(mn + i)), mul(qv, load16(mx + i))));
+        }
+        out[h * n + j] = reduce_add16(a);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const T* mn = cache + rows[j] * slot_size + kv_head * d;
+    const T* mx = mn + kv_heads * d;
+    for (int64_t h = 0; h < rep; ++h) {
+      float s = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        const float a = qf[h * d + i];
+        s += std::max(a * load(mn + i), a * load(mx + i));
+      }
+      out[h * n + j] = s;
+    }
+  }
+}
+
 template <typename T>
 void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots, int64_t len,
             int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep, float scale, T* out,

@@ -90,6 +90,10 @@ struct TypedKernels {
                  int64_t len, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
                  float scale, T* out, float* mass, const AttendScratch& scratch,
                  const Lookahead& ahead);
+  // query-aware selection: the key-score bound of `n` blocks (decode_attention_math.h)
+  void (*key_bounds)(const T* q, int64_t q_head_stride, const T* cache, const int64_t* rows,
+                     int64_t n, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
+                     float* qf, float* out);
 };
 
 struct Kernels {

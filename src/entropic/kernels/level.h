@@ -39,7 +39,7 @@ namespace {
 
 template <typename T>
 TypedKernels<T> typed_kernels() {
-  return {&rms_norm_rows<T>, &rope_kv_rows<T>, &silu_mul_rows<T>, &attend<T>};
+  return {&rms_norm_rows<T>, &rope_kv_rows<T>, &silu_mul_rows<T>, &attend<T>, &key_bounds<T>};
 }
 
 }  // namespace

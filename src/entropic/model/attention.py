@@ -29,6 +29,23 @@ class DecodeGroup:
     # every head at each position (softmax is then computed explicitly, not by SDPA)
     mass: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [end - start] int64 context lengths; None: all ctx
+    # Query-aware selection (`QueryAwareSelection`): row r attends keep[r] of its blocks, chosen
+    # in each layer for each KV head by their key-score bound; None: every row is dense.
+    keep: torch.Tensor | None = None  # [end - start] int64
+    selection: "QueryAwareSelection | None" = None
+
+
+@dataclass(frozen=True)
+class QueryAwareSelection:
+    """How decode rows with a block budget choose their blocks inside attention: the first
+    `sink` and last `recent` blocks of the row's context always, the others by the bound
+    `sum_i max(q_i min_i, q_i max_i)` of their keys (largest over the query heads of a KV
+    head); the bound rows of block b sit at cache row `bounds_offset + b`."""
+
+    block_size: int
+    bounds_offset: int
+    sink: int
+    recent: int
 
 
 @dataclass
@@ -59,14 +76,35 @@ class AttentionMetadata:
 class KVCache:
     """K and V of every layer in one tensor: [num_layers, num_blocks * block_size, 2, kv_heads,
     head_dim]. K and V of a slot sit side by side, so one copy writes both and one gather
-    reads both."""
+    reads both.
+
+    With `key_bounds`, each layer's tensor has one more row per block after the slots, at
+    `bounds_offset + block`: the elementwise minimum of the block's keys where a slot holds
+    K, and their maximum where it holds V (query-aware block selection reads them; they
+    cost 1 / block_size more memory). They are set when a block is full
+    (`update_key_bounds`); a block's last, partial block is always attended."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 key_bounds: bool = False) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, 2, num_kv_heads, head_dim)
+        self.bounds_offset = num_blocks * block_size if key_bounds else None
+        rows = num_blocks * block_size + (num_blocks if key_bounds else 0)
+        shape = (num_layers, rows, 2, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update_key_bounds(self, blocks: list[int]) -> None:
+        """Recompute the key bounds of these (full) blocks in every layer."""
+        if self.bounds_offset is None or not blocks:
+            return
+        bs, off = self.block_size, self.bounds_offset
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
+        slots = (ids[:, None] * bs + torch.arange(bs, device=self.kv.device)).view(-1)
+        keys = self.kv.index_select(1, slots)[:, :, 0]  # [layers, n * bs, kv_heads, d]
+        keys = keys.view(keys.shape[0], len(blocks), bs, *keys.shape[2:])
+        bounds = torch.stack((keys.amin(2), keys.amax(2)), dim=2)  # [layers, n, 2, kvh, d]
+        self.kv.index_copy_(1, ids + off, bounds)
 
     @property
     def k(self) -> torch.Tensor:
@@ -118,9 +156,14 @@ def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     if meta.decode_order is not None:
         q = q.index_select(0, meta.decode_order)
     if native:
-        parts = [torch.ops.entropic.paged_decode_attention(
-            q[g.start:g.end], kv_cache, g.slots.view(g.end - g.start, g.ctx), g.lengths, scale,
-            g.mass) for g in meta.decode_groups]
+        parts = []
+        for g in meta.decode_groups:
+            sel = g.selection
+            extra = () if sel is None else (g.keep, sel.block_size, sel.bounds_offset, sel.sink,
+                                             sel.recent)
+            parts.append(torch.ops.entropic.paged_decode_attention(
+                q[g.start:g.end], kv_cache, g.slots.view(g.end - g.start, g.ctx), g.lengths,
+                scale, g.mass, *extra))
     else:
         parts = [_decode_group(q, kv_cache, g, scale) for g in meta.decode_groups]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -139,7 +182,16 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup,
     ctx = kv_cache.index_select(0, g.slots).view(n, g.ctx, 2, kv_heads, head_dim)
     kd = ctx[:, :, 0].transpose(1, 2)  # [n, KVH, ctx, D], strided: SDPA reads it in place
     vd = ctx[:, :, 1].transpose(1, 2)
-    if g.mass is None:
+    if g.selection is not None:  # the chosen blocks as a mask: the same result, no saving
+        lengths = g.lengths if g.lengths is not None else torch.full(
+            (n,), g.ctx, dtype=torch.long, device=q.device)
+        chosen = bound_selection(qd, kv_cache, g.slots.view(n, g.ctx), lengths, g.keep,
+                                 g.selection)
+        bs = g.selection.block_size
+        mask = chosen.repeat_interleave(bs, dim=-1)[..., :g.ctx]
+        mask &= torch.arange(g.ctx, device=q.device) < lengths[:, None, None]
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, :, None], scale=scale)
+    elif g.mass is None:
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
     else:
         scores = torch.matmul(qd, kd.transpose(-1, -2)).float().mul_(scale)  # [n, KVH, rep, ctx]
@@ -149,6 +201,37 @@ def _decode_group(q: torch.Tensor, kv_cache: torch.Tensor, g: DecodeGroup,
         g.mass += probs.sum(dim=(1, 2))
         od = torch.matmul(probs.to(vd.dtype), vd)
     return od.reshape(n, num_heads * head_dim)
+
+
+def bound_selection(qd: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                    lengths: torch.Tensor, keep: torch.Tensor, sel: QueryAwareSelection
+                    ) -> torch.Tensor:
+    """The blocks each decode row attends under query-aware selection, as the native kernel
+    chooses them (a block's score: its largest bound over the KV head's query heads): qd [n, KVH, rep, D], slots [n, ctx] (block-aligned), lengths and keep [n].
+    Returns [n, KVH, blocks] bool (blocks = ceil(ctx / block_size))."""
+    n, kv_heads = qd.shape[:2]
+    bs = sel.block_size
+    nb_max = -(-slots.shape[1] // bs)
+    nb = (lengths + bs - 1) // bs  # [n] blocks of each row
+    ids = slots[:, ::bs] // bs  # [n, nb_max] block ids (padding: any)
+    bounds = kv_cache.index_select(0, (ids + sel.bounds_offset).view(-1)).float()
+    bounds = bounds.view(n, nb_max, 2, kv_heads, -1).permute(0, 3, 1, 2, 4)  # [n, KVH, nb, 2, D]
+    q = qd.float()[:, :, :, None, :]  # [n, KVH, rep, 1, D]
+    bound = torch.maximum(q * bounds[:, :, None, :, 0], q * bounds[:, :, None, :, 1]).sum(-1)
+    idx = torch.arange(nb_max, device=qd.device)
+    lo = torch.clamp(torch.full_like(nb, sel.sink), max=nb)
+    hi = torch.maximum(lo, nb - sel.recent)
+    candidate = (idx >= lo[:, None]) & (idx < hi[:, None])  # [n, nb]
+    protected = (idx < nb[:, None]) & ~candidate
+    want = torch.clamp(keep - lo - (nb - hi), min=0)
+    score = bound.amax(2).masked_fill(~candidate[:, None], float("-inf"))  # [n, KVH, nb]
+    # rank by bound, higher first, earlier block first among equals (a stable sort)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
+    chosen = candidate[:, None] & (rank < want[:, None, None])
+    dense = keep >= nb
+    chosen |= protected[:, None] | (dense[:, None, None] & (idx < nb[:, None])[:, None])
+    return chosen
 
 
 def _prefill_chunk(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, p: PrefillChunk,

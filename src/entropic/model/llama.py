@@ -182,10 +182,11 @@ class LlamaModel:
             n += self.lm_head.numel
         return n + sum(layer.numel for layer in self.layers)
 
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+    def make_kv_cache(self, num_blocks: int, block_size: int, key_bounds: bool = False
+                      ) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                       self.dtype, self.device)
+                       self.dtype, self.device, key_bounds=key_bounds)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
