@@ -58,6 +58,7 @@ CONFIGS = {
     # query-aware: blocks chosen per layer and KV head inside attention by their key bound
     "bound rho=0.25": _ungated(score="bound", min_keep_fraction=0.25),
     "bound fixed 0.5": _ungated(score="bound", min_keep_fraction=0.5, adaptive=False),
+    "bound fixed 0.35": _ungated(score="bound", min_keep_fraction=0.35, adaptive=False),
     "bound fixed 0.25": _ungated(score="bound", min_keep_fraction=0.25, adaptive=False),
     "bound fixed 0.125": _ungated(score="bound", min_keep_fraction=0.125, adaptive=False),
     # the defaults, no-regret gate included
