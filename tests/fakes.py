@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from entropic.engine.block_pool import BlockPool
-from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 VOCAB = 50
@@ -51,3 +51,34 @@ def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
     kv = KVCacheManager(pool, block_size)
     sched = Scheduler(kv, max_num_seqs, budget, max_model_len, eos, policy)
     return sched, pool, FakeRunner(block_size)
+
+
+class PrunedFakeRunner:
+    """Writes (request, position) into slots; checks that every position a chunk attends is
+    intact and that no evicted block is ever read; 'mass' is uniform over attended blocks."""
+
+    def __init__(self, block_size):
+        self.bs = block_size
+        self.slots = {}
+
+    def execute(self, out):
+        sampled, mass = {}, {}
+        for c in out.chunks:
+            assert EVICTED not in [c.block_table[i] for i in (c.attend_blocks or [])]
+            for i, t in enumerate(c.token_ids):
+                p = c.start_pos + i
+                self.slots[c.block_table[p // self.bs] * self.bs + p % self.bs] = (c.request_id, p, t)
+            end = c.start_pos + c.num_tokens
+            blocks = c.attend_blocks if c.attend_blocks is not None else range(-(-end // self.bs))
+            history = []
+            for b in blocks:
+                assert c.block_table[b] != EVICTED, "an evicted block was attended"
+                for p in range(b * self.bs, min(end, (b + 1) * self.bs)):
+                    rid, pp, t = self.slots[c.block_table[b] * self.bs + p % self.bs]
+                    assert (rid, pp) == (c.request_id, p), "KV slot overwritten"
+                    history.append(t)
+            if c.sample:
+                sampled[c.request_id] = SampledToken(next_token(history), 0.3, 0.0, -1.0)
+                if c.collect_attention:
+                    mass[c.request_id] = (list(blocks), [1 / len(blocks)] * len(blocks))
+        return sampled, mass

@@ -7,7 +7,11 @@ from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.engine.cost import CostModel
 from entropic.engine.request import Request, RequestStatus
 from entropic.sampling_params import SamplingParams
-from fakes import make_scheduler, next_token
+from entropic.control.pruning import EntropicBlockPruner, PruningConfig
+from entropic.engine.block_pool import BlockPool
+from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.scheduler import Scheduler
+from fakes import PrunedFakeRunner, make_scheduler, next_token
 
 CFG = ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position=4096)
@@ -198,4 +202,43 @@ def test_memory_pressure_takes_back_paused_kv_before_preempting_the_running():
     assert arrivals[3].metrics.num_preemptions == 0
     assert computed["big"] == 20 + 8 - 1 and computed["long"] > 8 + 24 - 1
     assert outputs == _fcfs_tokens(arrivals)
+    assert pool.num_free == 10
+
+
+def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
+    """The scenario above with the pruner allowed to evict (global coordination): when
+    "big" outgrows the free blocks, the paused "long" gives up its lowest-I_b blocks
+    instead of its whole KV: nothing is recomputed, nothing running is preempted."""
+    clock = EntropicClock()
+    policy = EntropicPolicy(clock, CostModel(CFG, 2), 10, 4, 1, 64,
+                            EntropicSchedulingConfig(max_wait=2, min_residency=12))
+    pool = BlockPool(10)
+    pruner = EntropicBlockPruner(PruningConfig(score="mass", min_keep_fraction=0.25,
+                                               min_blocks=2, recent_blocks=1, evict=True,
+                                               refresh_interval=1), 4)
+    sched = Scheduler(KVCacheManager(pool, 4), 1, 64, 10_000, (), policy, pruner)
+    runner = PrunedFakeRunner(4)
+    arrivals = {0: req("long", 8, 24), 3: req("big", 20, 8)}
+    finished = set()
+    for t in range(300):
+        if t in arrivals:
+            sched.add(arrivals[t])
+        if not sched.num_unfinished and t > 3:
+            break
+        out = sched.schedule()
+        sampled, mass = runner.execute(out)
+        for rid, st_ in sampled.items():
+            st_.entropy = fake_entropy(sched.requests[rid].token_ids)
+            clock.observe(rid, st_.entropy)
+        for r in sched.update(out, sampled, 0.0):
+            if r.status.finished:
+                finished.add(r.request_id)
+        for c in out.chunks:
+            r = sched.requests.get(c.request_id)
+            if r is not None and c.request_id in mass:
+                pruner.observe(r, [], [], *mass[c.request_id])
+    assert finished == {"long", "big"}
+    assert sched.num_pauses == 1 and sched.num_recomputes == 0
+    assert sched.num_evicted_blocks >= 1
+    assert arrivals[3].metrics.num_preemptions == 0
     assert pool.num_free == 10

@@ -13,7 +13,7 @@ from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import SampledToken, Scheduler
 from entropic.model.attention import DecodeGroup, _decode_group
 from entropic.sampling_params import SamplingParams
-from fakes import next_token
+from fakes import PrunedFakeRunner, next_token
 
 
 def _req(rid="r", entropy=None, n_prompt=4, computed=None):
@@ -148,37 +148,6 @@ def test_decode_over_chosen_blocks_equals_masked_full_attention():
 
 
 # ---- eviction with the scheduler and a model-free runner --------------------------------
-class PrunedFakeRunner:
-    """Writes (request, position) into slots; checks that every position a chunk attends is
-    intact and that no evicted block is ever read; 'mass' is uniform over attended blocks."""
-
-    def __init__(self, block_size):
-        self.bs = block_size
-        self.slots = {}
-
-    def execute(self, out):
-        sampled, mass = {}, {}
-        for c in out.chunks:
-            assert EVICTED not in [c.block_table[i] for i in (c.attend_blocks or [])]
-            for i, t in enumerate(c.token_ids):
-                p = c.start_pos + i
-                self.slots[c.block_table[p // self.bs] * self.bs + p % self.bs] = (c.request_id, p, t)
-            end = c.start_pos + c.num_tokens
-            blocks = c.attend_blocks if c.attend_blocks is not None else range(-(-end // self.bs))
-            history = []
-            for b in blocks:
-                assert c.block_table[b] != EVICTED, "an evicted block was attended"
-                for p in range(b * self.bs, min(end, (b + 1) * self.bs)):
-                    rid, pp, t = self.slots[c.block_table[b] * self.bs + p % self.bs]
-                    assert (rid, pp) == (c.request_id, p), "KV slot overwritten"
-                    history.append(t)
-            if c.sample:
-                sampled[c.request_id] = SampledToken(next_token(history), 0.3, 0.0, -1.0)
-                if c.collect_attention:
-                    mass[c.request_id] = (list(blocks), [1 / len(blocks)] * len(blocks))
-        return sampled, mass
-
-
 def _run_pruned(num_blocks, specs, evict, max_num_seqs=8, budget=64):
     bs = 4
     pool = BlockPool(num_blocks)

@@ -359,17 +359,24 @@ class Scheduler:
         return max(1, self.kv.blocks_needed(num_tokens) - have - self.kv.pool.num_free)
 
     def _evict(self, need: int) -> bool:
-        """Evict up to `need` blocks the block policy offers; True if any were freed."""
+        """Evict up to `need` blocks the block policy offers; True if any were freed.
+        Paused requests are asked first (they hold memory without computing; design
+        section 4, global coordination), the running ones only when no paused block is
+        offered: shrinking a paused request comes before recomputing anything."""
         if self.block_policy is None:
             return False
         bs = self.kv.block_size
-        candidates = [(r, [i for i in self.kv.live_indices(r.request_id)
-                           if i < -(-r.num_computed_tokens // bs)]) for r in self.running]
-        pairs = self.block_policy.evict(candidates, need)
-        for rid, index in pairs:
-            self.kv.evict(rid, index)
-        self.num_evicted_blocks += len(pairs)
-        return bool(pairs)
+        paused = [r for r in self.waiting if self.kv.num_blocks_held(r.request_id)]
+        for group in (paused, self.running):
+            candidates = [(r, [i for i in self.kv.live_indices(r.request_id)
+                               if i < -(-r.num_computed_tokens // bs)]) for r in group]
+            pairs = self.block_policy.evict(candidates, need) if candidates else []
+            for rid, index in pairs:
+                self.kv.evict(rid, index)
+            self.num_evicted_blocks += len(pairs)
+            if pairs:
+                return True
+        return False
 
     def _preempt(self, req: Request, out: SchedulerOutput, keep_kv: bool = False) -> None:
         """Take a running request out of the batch and requeue it, keeping its tokens.
