@@ -436,3 +436,39 @@ def test_server_view(driver, server):
     logs = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
             and e.get("source") != "network"]
     assert not logs, logs
+
+
+@pytest.mark.model
+def test_screenshots_of_each_view(driver, server, tmp_path):
+    """One screenshot per view, as a newcomer would see it; LENS_SCREENSHOTS=docs writes
+    them to docs/ (docs/lens.md shows them), otherwise to a temporary folder."""
+    from selenium.webdriver import ActionChains
+    d = driver
+    out = os.environ.get("LENS_SCREENSHOTS")
+    target = (os.path.join(os.path.dirname(__file__), "..", out) if out else str(tmp_path))
+    busy = bool(out)  # longer answers and some load for the real pictures
+    _open(d, server.base)
+    _by(d, "#pg-thermostat")[0].click()
+    _send(d, "Write a short poem about the sea.", max_tokens=48 if busy else 16, temperature=0.7)
+    spans = _by(d, "#pg-transcript .turn.assistant .tok")
+    k = max(range(len(spans)), key=lambda i: float(spans[i].get_attribute("data-entropy")))
+    ActionChains(d).move_to_element(spans[k]).perform()
+    d.save_screenshot(os.path.join(target, "lens_playground.png"))
+    _open(d, server.base, view="compare")
+    _fill(d, "cmp-max_tokens", 48 if busy else 8)
+    _by(d, "#cmp-run")[0].click()
+    _wait(lambda: _by(d, "#cmp-run")[0].is_enabled() and _by(d, "#cmp-b-out .tok"), 120, "B")
+    d.save_screenshot(os.path.join(target, "lens_compare.png"))
+    d.get(f"{server.base}/#server")
+    if busy:  # a few answers in flight while the page polls
+        for _ in range(3):
+            _by(d, "#tab-compare")[0].click()
+            _by(d, "#cmp-run")[0].click()
+            _by(d, "#tab-server")[0].click()
+            time.sleep(5)
+    _wait(lambda: _by(d, "#srv-tps .value") and
+          _by(d, "#srv-tps .value")[0].text not in ("", "–"), 10, "two polls")
+    d.save_screenshot(os.path.join(target, "lens_server.png"))
+    for name in ("lens_playground.png", "lens_compare.png", "lens_server.png"):
+        with open(os.path.join(target, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
