@@ -81,8 +81,10 @@ def test_assets_ship_in_the_package_and_name_no_remote_source():
 # ---- a real server -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
+    # the model's load is not what is tested here, and on a busy machine it takes minutes
     with ServerProcess("--threads", "1", "--dtype", "float32", "--api-key", KEY,
-                       "--max-num-seqs", "4", "--kv-cache-gib", "0.1", "--log-level", "warning") as s:
+                       "--max-num-seqs", "4", "--kv-cache-gib", "0.1", "--log-level", "warning",
+                       timeout=600) as s:
         yield s
 
 
@@ -188,6 +190,12 @@ def _send(d, prompt, max_tokens=8, temperature=None):
     return _by(d, "#pg-transcript .turn.assistant .answer")[-1]
 
 
+def _text(d, css) -> str | None:
+    """The text of the first element matching `css`, read in one step (no stale handle)."""
+    return d.execute_script("const e = document.querySelector(arguments[0]);"
+                            "return e ? e.textContent : null", css)
+
+
 def _rgb(css: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", css)[:3])
 
@@ -288,6 +296,21 @@ def test_thermostat_toggle_changes_the_request_body(driver, server):
     ActionChains(d).move_to_element(last).perform()
     t = float(_wait(lambda: _by(d, "#hovercard .card-t")[0].text, 5, "the card"))
     assert 0.2 <= t <= 2.0 and t != 0.8
+
+
+@pytest.mark.model
+def test_completion_mode(driver, server):
+    d = driver
+    _open(d, server.base)
+    _by(d, 'input[name="pg-mode"][value="completion"]')[0].click()
+    _fill(d, "pg-stop", "\n")
+    answer = _send(d, "The capital of France is", max_tokens=4, temperature=0)
+    (sent,) = d.execute_script("return window.__sent")
+    assert sent["url"] == "/v1/completions" and sent["body"]["prompt"] == "The capital of France is"
+    assert sent["body"]["logprobs"] == 5 and sent["body"]["stop"] == ["\n"]
+    toks = answer.find_elements("css selector", ".tok")
+    assert 1 <= len(toks) <= 4 and all(t.get_attribute("data-entropy") for t in toks)
+    assert _text(d, "#pg-transcript .turn.prompt .answer") == "The capital of France is"
 
 
 @pytest.mark.model
@@ -425,12 +448,11 @@ def test_compare_runs_both_and_overlays_their_traces(driver, server):
 def test_server_view(driver, server):
     d = driver
     _open(d, server.base, view="server")
-    _wait(lambda: _by(d, "#srv-running .value") and
-          _by(d, "#srv-tps .value")[0].text not in ("", "–"), 10, "two polls of /metrics")
-    assert _by(d, "#srv-running .value")[0].text == "0"
-    assert "of" in _by(d, "#srv-kv .label")[0].text
-    assert float(_by(d, "#srv-entropy .value")[0].text) > 0  # tokens were sampled before
-    assert _by(d, "#srv-pruning .value")[0].text == "off"
+    _wait(lambda: _text(d, "#srv-tps .value") not in (None, "–"), 10, "two polls of /metrics")
+    assert _text(d, "#srv-running .value") == "0"
+    assert _text(d, "#srv-kv .label").startswith("KV blocks in use of ")
+    assert float(_text(d, "#srv-entropy .value")) > 0  # tokens were sampled before
+    assert _text(d, "#srv-pruning .value") == "off"
     # no CSP violation and no script error all session long (the 401s the key test
     # provoked are logged as network errors, and are meant)
     logs = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
@@ -458,7 +480,9 @@ def test_screenshots_of_each_view(driver, server, tmp_path):
     _fill(d, "cmp-max_tokens", 48 if busy else 8)
     _by(d, "#cmp-run")[0].click()
     _wait(lambda: _by(d, "#cmp-run")[0].is_enabled() and _by(d, "#cmp-b-out .tok"), 120, "B")
+    d.set_window_size(1280, 1180)  # the overlaid chart under both answers
     d.save_screenshot(os.path.join(target, "lens_compare.png"))
+    d.set_window_size(1280, 900)
     d.get(f"{server.base}/#server")
     if busy:  # a few answers in flight while the page polls
         for _ in range(3):
@@ -466,8 +490,7 @@ def test_screenshots_of_each_view(driver, server, tmp_path):
             _by(d, "#cmp-run")[0].click()
             _by(d, "#tab-server")[0].click()
             time.sleep(5)
-    _wait(lambda: _by(d, "#srv-tps .value") and
-          _by(d, "#srv-tps .value")[0].text not in ("", "–"), 10, "two polls")
+    _wait(lambda: _text(d, "#srv-tps .value") not in (None, "–"), 10, "two polls")
     d.save_screenshot(os.path.join(target, "lens_server.png"))
     for name in ("lens_playground.png", "lens_compare.png", "lens_server.png"):
         with open(os.path.join(target, name), "rb") as f:

@@ -28,6 +28,10 @@ async function status() {
   } catch (e) {
     el.textContent = e.kind === "auth" ? "API key needed" : "server: " + e.message;
     el.className = "status bad";
+    if (e.kind === "auth") {
+      $("api-key").placeholder = "this server needs a key";
+      $("api-key").focus();
+    }
   }
 }
 

@@ -62,44 +62,50 @@ export function setupServerView() {
       series: [{}, ...series.map(([label], i) => ({ label, stroke: COLOURS[i], width: 1.5 }))],
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(hi || 0, 1e-9) * 1.1] } },
       axes: [{}, { size: 50 }],
-      legend: { show: true },
+      legend: { show: true, live: false },
     };
     return { box, plot: new uPlot(opts, [[], ...series.map(() => [])], area), series };
   });
 
-  function card(label, value, id) {
-    const div = document.createElement("div");
-    div.className = "card";
-    div.id = id;
-    const v = document.createElement("div");
-    v.className = "value";
-    v.textContent = value;
-    const l = document.createElement("div");
-    l.className = "label";
-    l.textContent = label;
-    div.append(v, l);
-    return div;
+  // The cards are built once and updated in place (a screen reader or a test holding one
+  // keeps it).
+  const cardEls = {};
+  function card(id, label, value) {
+    let c = cardEls[id];
+    if (!c) {
+      const div = document.createElement("div");
+      div.className = "card";
+      div.id = id;
+      c = cardEls[id] = { v: document.createElement("div"), l: document.createElement("div") };
+      c.v.className = "value";
+      c.l.className = "label";
+      div.append(c.v, c.l);
+      cards.append(div);
+    }
+    c.v.textContent = value;
+    c.l.textContent = label;
   }
 
   function render() {
     const s = samples[samples.length - 1], p = samples[samples.length - 2];
     const m = s.m;
-    const tps = rate(s, p, P + "generation_tokens_total");
-    const pruning = (m[P + "decode_blocks_live"] || 0) > 0;
-    const share = attendedShare(s, p);
     const live = m[P + "decode_blocks_live"], att = m[P + "decode_blocks_attended"];
-    cards.replaceChildren(
-      card("running", String(m[P + "requests_running"] ?? "–"), "srv-running"),
-      card("waiting", String(m[P + "requests_waiting"] ?? "–"), "srv-waiting"),
-      card(`KV blocks in use of ${m[P + "kv_blocks_total"] ?? "–"}`,
-        String(m[P + "kv_blocks_used"] ?? "–"), "srv-kv"),
-      card("tokens / s", fmt(tps, 1), "srv-tps"),
-      card("mean entropy (nats)", fmt(m[P + "mean_entropy_nats"], 2), "srv-entropy"),
-      card("τ / s (nats)", fmt(m[P + "tau_rate_nats_per_second"], 2), "srv-tau"),
-      card("τ / TFLOP since start", fmt(m[P + "tau_per_tflop"], 2), "srv-tau-tflop"),
-      pruning ? card(`blocks attended / live (since start ${fmt(att / live * 100, 1)}%)`,
-        share === null ? "idle" : fmt(share * 100, 1) + "%", "srv-pruning")
-        : card("pruning", "off", "srv-pruning"));
+    const pruning = (live || 0) > 0;
+    const share = attendedShare(s, p);
+    card("srv-running", "running", String(m[P + "requests_running"] ?? "–"));
+    card("srv-waiting", "waiting", String(m[P + "requests_waiting"] ?? "–"));
+    card("srv-kv", `KV blocks in use of ${m[P + "kv_blocks_total"] ?? "–"}`,
+      String(m[P + "kv_blocks_used"] ?? "–"));
+    card("srv-tps", "tokens / s", fmt(rate(s, p, P + "generation_tokens_total"), 1));
+    card("srv-entropy", "mean entropy (nats)", fmt(m[P + "mean_entropy_nats"], 2));
+    card("srv-tau", "τ / s (nats)", fmt(m[P + "tau_rate_nats_per_second"], 2));
+    card("srv-tau-tflop", "τ / TFLOP since start", fmt(m[P + "tau_per_tflop"], 2));
+    if (pruning) {
+      card("srv-pruning", `blocks attended / live (since start ${fmt(att / live * 100, 1)}%)`,
+        share === null ? "idle" : fmt(share * 100, 1) + "%");
+    } else {
+      card("srv-pruning", "pruning (serve with --pruning)", "off");
+    }
     for (const [i, { box, plot, series }] of plots.entries()) {
       const isPruning = i === plots.length - 1;
       box.hidden = isPruning && !pruning;
