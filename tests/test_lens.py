@@ -81,8 +81,9 @@ def test_assets_ship_in_the_package_and_name_no_remote_source():
 # ---- a real server -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server():
-    # the model's load is not what is tested here, and on a busy machine it takes minutes
-    with ServerProcess("--threads", "1", "--dtype", "float32", "--api-key", KEY,
+    # the model's load is not what is tested here, and on a busy machine it takes minutes;
+    # --pruning so that the server view shows blocks attended / live
+    with ServerProcess("--threads", "1", "--dtype", "float32", "--api-key", KEY, "--pruning",
                        "--max-num-seqs", "4", "--kv-cache-gib", "0.1", "--log-level", "warning",
                        timeout=600) as s:
         yield s
@@ -303,7 +304,7 @@ def test_completion_mode(driver, server):
     d = driver
     _open(d, server.base)
     _by(d, 'input[name="pg-mode"][value="completion"]')[0].click()
-    _fill(d, "pg-stop", "\n")
+    _fill(d, "pg-stop", "\\n")  # typed as backslash-n
     answer = _send(d, "The capital of France is", max_tokens=4, temperature=0)
     (sent,) = d.execute_script("return window.__sent")
     assert sent["url"] == "/v1/completions" and sent["body"]["prompt"] == "The capital of France is"
@@ -452,7 +453,12 @@ def test_server_view(driver, server):
     assert _text(d, "#srv-running .value") == "0"
     assert _text(d, "#srv-kv .label").startswith("KV blocks in use of ")
     assert float(_text(d, "#srv-entropy .value")) > 0  # tokens were sampled before
-    assert _text(d, "#srv-pruning .value") == "off"
+    # pruning is on: the share of live blocks attended since start, and its chart
+    assert re.fullmatch(r"blocks attended / live \(since start \d+\.\d%\)",
+                        _text(d, "#srv-pruning .label"))
+    # "idle" when no decode step ran between the last two polls
+    assert re.fullmatch(r"idle|\d+\.\d%", _text(d, "#srv-pruning .value"))
+    assert _by(d, "#srv-charts .chart.small")[-1].is_displayed()
     # no CSP violation and no script error all session long (the 401s the key test
     # provoked are logged as network errors, and are meant)
     logs = [e for e in d.get_log("browser") if e["level"] == "SEVERE"

@@ -51,7 +51,7 @@ export function samplerPanel(el, prefix, { fields = Object.keys(FIELDS), stop = 
     const w = document.createElement("label");
     w.className = "field wide";
     const name = document.createElement("span");
-    name.textContent = "stop strings (one per line)";
+    name.textContent = "stop strings (one per line; \\n is a newline)";
     stopBox = document.createElement("textarea");
     stopBox.id = `${prefix}-stop`;
     stopBox.rows = 2;
@@ -108,7 +108,10 @@ export function samplerPanel(el, prefix, { fields = Object.keys(FIELDS), stop = 
     read(overrides = {}) {
       const s = { seed: null, stop: [] };
       for (const f of fields) s[f] = num(inputs[f], FIELDS[f]);
-      if (stopBox) s.stop = stopBox.value.split("\n").filter((x) => x.length > 0);
+      if (stopBox) {
+        s.stop = stopBox.value.split("\n").filter((x) => x.length > 0)
+          .map((x) => x.replace(/\\n/g, "\n").replace(/\\t/g, "\t"));
+      }
       s.thermostat = null;
       if (toggle.checked) {
         s.thermostat = { mode: mode.value };
