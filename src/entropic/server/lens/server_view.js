@@ -32,6 +32,11 @@ const PANELS = [
 ];
 const COLOURS = ["#1f5fbf", "#c0392b", "#2e8b57"];
 
+function clock(t) {
+  const d = new Date(t * 1000), two = (n) => String(n).padStart(2, "0");
+  return `${two(d.getHours())}:${two(d.getMinutes())}:${two(d.getSeconds())}`;
+}
+
 function rate(s, p, name) {
   if (!p || s.m[name] === undefined || p.m[name] === undefined) return null;
   return Math.max(0, s.m[name] - p.m[name]) / (s.t - p.t);
@@ -61,7 +66,8 @@ export function setupServerView() {
       width: 360, height: 150,
       series: [{}, ...series.map(([label], i) => ({ label, stroke: COLOURS[i], width: 1.5 }))],
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(hi || 0, 1e-9) * 1.1] } },
-      axes: [{}, { size: 50 }],
+      // wall-clock time of day (uPlot's default adds a date row that overlaps it)
+      axes: [{ values: (u, splits) => splits.map(clock) }, { size: 50 }],
       legend: { show: true, live: false },
     };
     return { box, plot: new uPlot(opts, [[], ...series.map(() => [])], area), series };
