@@ -110,6 +110,10 @@ def test_static_route_headers_and_guards(server):
                                                   "Authorization": f"Bearer {KEY}"}
                      ).status_code == 400
     assert f"open {server.base}/ in a browser" in server.log_text()
+    # the server view's source: /metrics, with the pruning counts behind attended / live
+    metrics = httpx.get(base + "/metrics").text
+    assert "entropic_decode_blocks_live " in metrics
+    assert "entropic_decode_blocks_attended " in metrics
 
 
 # ---- the browser ---------------------------------------------------------------------------
