@@ -118,7 +118,7 @@ def test_static_route_headers_and_guards(server):
 
 # ---- the browser ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def driver(server, tmp_path_factory):
+def driver(tmp_path_factory):
     found = _chromium()
     if found is None:
         pytest.skip("no Chromium here: install Debian's `chromium` and `chromium-driver` "
