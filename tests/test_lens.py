@@ -13,38 +13,18 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 
 import httpx
 import pytest
 
 from entropic.server.launch import page_url
+from lens_browser import (by, entropy_colour, fill, open_page, rgb, send, start_chromium,
+                          text_of, wait_for)
 from serving import ServerProcess
 
 KEY = "lens-key-42"
 PROMPT = "Name three colours."
-H_MAX = 6.0  # tokens.js: the colour ramp's top
-STOPS = [(0.0, (224, 236, 255)), (0.25, (190, 235, 200)), (0.5, (255, 240, 150)),
-         (0.75, (255, 190, 110)), (1.0, (245, 120, 120))]
-
-
-def entropy_colour(h: float) -> tuple[int, int, int]:
-    """tokens.js's entropyColour, recomputed here from the API's numbers."""
-    t = min(max(h / H_MAX, 0.0), 1.0)
-    i = 1
-    while i < len(STOPS) - 1 and t > STOPS[i][0]:
-        i += 1
-    (t0, c0), (t1, c1) = STOPS[i - 1], STOPS[i]
-    f = (t - t0) / (t1 - t0)
-    return tuple(c + f * (d - c) for c, d in zip(c0, c1))
-
-
-def _chromium() -> tuple[str, str] | None:
-    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser",
-                                                   "google-chrome")) if p), None)
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
 
 
 # ---- without a browser or a model -----------------------------------------------------------
@@ -119,90 +99,9 @@ def test_static_route_headers_and_guards(server):
 # ---- the browser ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    found = _chromium()
-    if found is None:
-        pytest.skip("no Chromium here: install Debian's `chromium` and `chromium-driver` "
-                    "(as .ci/run does) to run the browser tests")
-    webdriver = pytest.importorskip("selenium.webdriver",
-                                    reason="selenium is not installed (pip install selenium)")
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = found[0]
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--window-size=1280,900", "--disable-extensions"):
-        opts.add_argument(a)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(found[1]), options=opts)
-    d.downloads = tmp_path_factory.mktemp("downloads")
-    d.execute_cdp_cmd("Page.setDownloadBehavior",
-                      {"behavior": "allow", "downloadPath": str(d.downloads)})
+    d = start_chromium(tmp_path_factory.mktemp("downloads"))
     yield d
     d.quit()
-
-
-def _by(d, css):
-    from selenium.webdriver.common.by import By
-    return d.find_elements(By.CSS_SELECTOR, css)
-
-
-def _wait(pred, timeout=60.0, what="condition"):
-    deadline = time.time() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _open(d, base, view="playground", key=KEY):
-    """Load the page afresh (no key remembered), type `key` if any, and start recording
-    the bodies the page POSTs."""
-    d.get(base + "/")
-    d.execute_script("sessionStorage.clear()")
-    d.get("about:blank")
-    d.get(f"{base}/#{view}")
-    _wait(lambda: _by(d, "#pg-temperature"), 10, "the page's controls")
-    if key:
-        _fill(d, "api-key", key)
-        _by(d, "#key-form button")[0].click()
-        _wait(lambda: "model:" in _by(d, "#server-status")[0].text, 10, "the model's name")
-    d.execute_script("""
-        window.__sent = [];
-        window.__realFetch = window.__realFetch || window.fetch;
-        window.fetch = (url, opts = {}) => {
-          if (opts.method === 'POST') window.__sent.push({url, body: JSON.parse(opts.body)});
-          return window.__realFetch(url, opts);
-        };""")
-
-
-def _fill(d, element_id, value):
-    el = _by(d, "#" + element_id)[0]
-    el.clear()
-    el.send_keys(str(value))
-
-
-def _send(d, prompt, max_tokens=8, temperature=None):
-    _fill(d, "pg-max_tokens", max_tokens)
-    if temperature is not None:
-        _fill(d, "pg-temperature", temperature)
-    _fill(d, "pg-prompt", prompt)
-    n = len(_by(d, "#pg-transcript .turn"))
-    _by(d, "#pg-send")[0].click()
-    _wait(lambda: len(_by(d, "#pg-transcript .turn")) >= n + 2, 10, "the answer's bubble")
-    _wait(lambda: _by(d, "#pg-send")[0].is_enabled(), 60, "the answer to end")
-    return _by(d, "#pg-transcript .turn.assistant .answer")[-1]
-
-
-def _text(d, css) -> str | None:
-    """The text of the first element matching `css`, read in one step (no stale handle)."""
-    return d.execute_script("const e = document.querySelector(arguments[0]);"
-                            "return e ? e.textContent : null", css)
-
-
-def _rgb(css: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", css)[:3])
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +109,14 @@ def greedy(driver, server):
     """One greedy answer in the page, its token spans, the body the page sent, and the same
     body answered by the API directly (not streamed)."""
     d = driver
-    _open(d, server.base)
+    open_page(d, server.base, KEY)
     d.execute_script("""
         window.__batches = 0;
         new MutationObserver(() => window.__batches++).observe(
           document.getElementById('pg-transcript'), {childList: true, subtree: true});""")
-    answer = _send(d, PROMPT, max_tokens=10, temperature=0)
+    answer = send(d, PROMPT, max_tokens=10, temperature=0)
     spans = [{"text": s.get_attribute("textContent"), "entropy": float(s.get_attribute("data-entropy")),
-              "colour": _rgb(s.value_of_css_property("background-color"))}
+              "colour": rgb(s.value_of_css_property("background-color"))}
              for s in answer.find_elements("css selector", ".tok")]
     sent = d.execute_script("return window.__sent")
     assert len(sent) == 1 and sent[0]["url"] == "/v1/chat/completions"
@@ -252,11 +151,11 @@ def test_hover_card_shows_the_top_alternatives(driver, greedy):
     from selenium.webdriver import ActionChains
     d = driver
     direct = greedy["direct"]["logprobs"]["content"]
-    spans = _by(d, "#pg-transcript .turn.assistant .tok")
+    spans = by(d, "#pg-transcript .turn.assistant .tok")
     # the token whose distribution is most spread, so its alternatives matter
     k = max(range(len(spans)), key=lambda i: greedy["spans"][i]["entropy"])
     ActionChains(d).move_to_element(spans[k]).perform()
-    card = _wait(lambda: [c for c in _by(d, "#hovercard") if c.is_displayed()], 5, "the card")[0]
+    card = wait_for(lambda: [c for c in by(d, "#hovercard") if c.is_displayed()], 5, "the card")[0]
     rows = card.find_elements("css selector", ".alts li")
     want = direct[k]["top_logprobs"]
     assert len(rows) == len(want) == 5
@@ -276,17 +175,17 @@ def test_hover_card_shows_the_top_alternatives(driver, greedy):
     ActionChains(d).move_by_offset(0, 300).perform()
     assert card.is_displayed()
     ActionChains(d).send_keys("\ue00c").perform()
-    _wait(lambda: not card.is_displayed(), 5, "the card to close")
+    wait_for(lambda: not card.is_displayed(), 5, "the card to close")
 
 
 @pytest.mark.model
 def test_thermostat_toggle_changes_the_request_body(driver, server):
     d = driver
-    _open(d, server.base)
-    _send(d, PROMPT, max_tokens=3, temperature=0.8)
-    _by(d, "#pg-thermostat")[0].click()
-    _fill(d, "pg-target_entropy", 3)
-    _send(d, "And three animals.", max_tokens=6)
+    open_page(d, server.base, KEY)
+    send(d, PROMPT, max_tokens=3, temperature=0.8)
+    by(d, "#pg-thermostat")[0].click()
+    fill(d, "pg-target_entropy", 3)
+    send(d, "And three animals.", max_tokens=6)
     first, second = [s["body"] for s in d.execute_script("return window.__sent")]
     assert "thermostat" not in first["entropic"]
     assert second["entropic"]["thermostat"] == {"target_entropy": 3, "eta": 0.2, "t_min": 0.2,
@@ -294,50 +193,50 @@ def test_thermostat_toggle_changes_the_request_body(driver, server):
     assert second["temperature"] == 0.8 and second["seed"] == first["seed"] == 1
     # a chat: the second request carries the first turn and its answer
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
-    assert not _by(d, "#pg-message")[0].is_displayed()
+    assert not by(d, "#pg-message")[0].is_displayed()
     # under the thermostat the temperature moved away from T_0 = 0.8 (the card says so)
     from selenium.webdriver import ActionChains
-    last = _by(d, "#pg-transcript .turn.assistant .tok")[-1]
+    last = by(d, "#pg-transcript .turn.assistant .tok")[-1]
     ActionChains(d).move_to_element(last).perform()
-    t = float(_wait(lambda: _by(d, "#hovercard .card-t")[0].text, 5, "the card"))
+    t = float(wait_for(lambda: by(d, "#hovercard .card-t")[0].text, 5, "the card"))
     assert 0.2 <= t <= 2.0 and t != 0.8
 
 
 @pytest.mark.model
 def test_completion_mode(driver, server):
     d = driver
-    _open(d, server.base)
-    _by(d, 'input[name="pg-mode"][value="completion"]')[0].click()
-    _fill(d, "pg-stop", "\\n")  # typed as backslash-n
-    answer = _send(d, "The capital of France is", max_tokens=4, temperature=0)
+    open_page(d, server.base, KEY)
+    by(d, 'input[name="pg-mode"][value="completion"]')[0].click()
+    fill(d, "pg-stop", "\\n")  # typed as backslash-n
+    answer = send(d, "The capital of France is", max_tokens=4, temperature=0)
     (sent,) = d.execute_script("return window.__sent")
     assert sent["url"] == "/v1/completions" and sent["body"]["prompt"] == "The capital of France is"
     assert sent["body"]["logprobs"] == 5 and sent["body"]["stop"] == ["\n"]
     toks = answer.find_elements("css selector", ".tok")
     assert 1 <= len(toks) <= 4 and all(t.get_attribute("data-entropy") for t in toks)
-    assert _text(d, "#pg-transcript .turn.prompt .answer") == "The capital of France is"
+    assert text_of(d, "#pg-transcript .turn.prompt .answer") == "The capital of France is"
 
 
 @pytest.mark.model
 def test_api_key_is_required(driver, server):
     d = driver
-    _open(d, server.base, key=None)
-    assert _wait(lambda: "API key needed" in _by(d, "#server-status")[0].text, 10, "status")
-    _fill(d, "pg-prompt", PROMPT)
-    _by(d, "#pg-send")[0].click()
-    msg = _wait(lambda: [m for m in _by(d, "#pg-message") if m.is_displayed()], 10, "message")[0]
+    open_page(d, server.base, None)
+    assert wait_for(lambda: "API key needed" in by(d, "#server-status")[0].text, 10, "status")
+    fill(d, "pg-prompt", PROMPT)
+    by(d, "#pg-send")[0].click()
+    msg = wait_for(lambda: [m for m in by(d, "#pg-message") if m.is_displayed()], 10, "message")[0]
     assert "API key" in msg.text
-    assert not _by(d, "#pg-transcript .tok")
-    assert _by(d, "#pg-prompt")[0].get_attribute("value") == PROMPT  # kept to send again
-    _fill(d, "api-key", "wrong")
-    _by(d, "#key-form button")[0].click()
-    _by(d, "#pg-send")[0].click()
-    _wait(lambda: "refused this API key" in _by(d, "#pg-message")[0].text, 10, "refusal")
-    _fill(d, "api-key", KEY)
-    _by(d, "#key-form button")[0].click()
-    _send(d, PROMPT, max_tokens=3)
-    assert len(_by(d, "#pg-transcript .tok")) == 3
-    assert not _by(d, "#pg-message")[0].is_displayed()
+    assert not by(d, "#pg-transcript .tok")
+    assert by(d, "#pg-prompt")[0].get_attribute("value") == PROMPT  # kept to send again
+    fill(d, "api-key", "wrong")
+    by(d, "#key-form button")[0].click()
+    by(d, "#pg-send")[0].click()
+    wait_for(lambda: "refused this API key" in by(d, "#pg-message")[0].text, 10, "refusal")
+    fill(d, "api-key", KEY)
+    by(d, "#key-form button")[0].click()
+    send(d, PROMPT, max_tokens=3)
+    assert len(by(d, "#pg-transcript .tok")) == 3
+    assert not by(d, "#pg-message")[0].is_displayed()
 
 
 HOSTILE = '<img src=x onerror="window.__pwned=1">'
@@ -346,10 +245,10 @@ HOSTILE = '<img src=x onerror="window.__pwned=1">'
 @pytest.mark.model
 def test_markup_in_prompts_and_model_output_is_shown_as_text(driver, server):
     d = driver
-    _open(d, server.base)
+    open_page(d, server.base, KEY)
     prompt = "<script>window.__pwned=2</script><b>bold?</b>"
-    _send(d, prompt, max_tokens=3)
-    user = _by(d, "#pg-transcript .turn.user .answer")[-1]
+    send(d, prompt, max_tokens=3)
+    user = by(d, "#pg-transcript .turn.user .answer")[-1]
     assert user.get_attribute("textContent") == prompt
     # model output: the page is fed a stream whose tokens are markup
     chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": HOSTILE},
@@ -369,20 +268,20 @@ def test_markup_in_prompts_and_model_output_is_shown_as_text(driver, server):
         window.fetch = async (url, opts = {}) => opts.method === 'POST'
           ? new Response(sse, {headers: {'Content-Type': 'text/event-stream'}})
           : window.__realFetch(url, opts);""", sse)
-    answer = _send(d, "anything", max_tokens=3)
+    answer = send(d, "anything", max_tokens=3)
     assert answer.get_attribute("textContent") == HOSTILE
     from selenium.webdriver import ActionChains
     ActionChains(d).move_to_element(answer.find_elements("css selector", ".tok")[0]).perform()
-    card = _by(d, "#hovercard")[0]
+    card = by(d, "#hovercard")[0]
     assert "<script>x</script>" in card.text
-    assert not _by(d, "#pg-transcript img, #pg-transcript script, #pg-transcript b, #hovercard img")
+    assert not by(d, "#pg-transcript img, #pg-transcript script, #pg-transcript b, #hovercard img")
     assert d.execute_script("return window.__pwned === undefined")
 
 
 @pytest.mark.model
 def test_a_dropped_stream_is_reported_and_the_page_goes_on(driver, server):
     d = driver
-    _open(d, server.base)
+    open_page(d, server.base, KEY)
     # pass the real answer through, but break the connection after its second event
     d.execute_script("""
         window.__recording = window.fetch;
@@ -398,14 +297,14 @@ def test_a_dropped_stream_is_reported_and_the_page_goes_on(driver, server):
           }});
           return new Response(body, {headers: {'Content-Type': 'text/event-stream'}});
         };""")
-    answer = _send(d, PROMPT, max_tokens=8)
-    msg = _by(d, "#pg-message")[0]
+    answer = send(d, PROMPT, max_tokens=8)
+    msg = by(d, "#pg-message")[0]
     assert msg.is_displayed() and "cut off after 2 tokens" in msg.text
     assert len(answer.find_elements("css selector", ".tok")) == 2
     assert "broken" in answer.get_attribute("class")
-    assert _by(d, "#pg-prompt")[0].get_attribute("value") == PROMPT
+    assert by(d, "#pg-prompt")[0].get_attribute("value") == PROMPT
     d.execute_script("window.fetch = window.__recording")
-    answer = _send(d, PROMPT, max_tokens=4)
+    answer = send(d, PROMPT, max_tokens=4)
     assert len(answer.find_elements("css selector", ".tok")) == 4
     assert not msg.is_displayed()
     # the retry sent the question once, not the broken turn
@@ -416,15 +315,15 @@ def test_a_dropped_stream_is_reported_and_the_page_goes_on(driver, server):
 @pytest.mark.model
 def test_exports(driver, server):
     d = driver
-    _open(d, server.base)
-    _send(d, PROMPT, max_tokens=5)
+    open_page(d, server.base, KEY)
+    send(d, PROMPT, max_tokens=5)
     for old in d.downloads.iterdir():
         old.unlink()
-    _by(d, "#pg-json")[0].click()
-    _by(d, "#pg-png")[0].click()
+    by(d, "#pg-json")[0].click()
+    by(d, "#pg-png")[0].click()
     js = d.downloads / "entropic-trace.json"
     png = d.downloads / "entropic-trace.png"
-    _wait(lambda: js.exists() and png.exists() and png.stat().st_size > 1000, 10, "downloads")
+    wait_for(lambda: js.exists() and png.exists() and png.stat().st_size > 1000, 10, "downloads")
     rec = json.loads(js.read_text())
     assert len(rec["tokens"]) == 5 and rec["request"]["max_tokens"] == 5
     assert rec["entropic"]["tau"] == pytest.approx(rec["tokens"][-1]["cumulative_tau"], abs=1e-4)
@@ -434,35 +333,35 @@ def test_exports(driver, server):
 @pytest.mark.model
 def test_compare_runs_both_and_overlays_their_traces(driver, server):
     d = driver
-    _open(d, server.base, view="compare")
-    _fill(d, "cmp-max_tokens", 6)
-    _by(d, "#cmp-run")[0].click()
-    _wait(lambda: _by(d, "#cmp-run")[0].is_enabled() and
-          len(_by(d, "#cmp-a-out .tok")) == 6 and len(_by(d, "#cmp-b-out .tok")) == 6,
-          60, "both answers")
+    open_page(d, server.base, KEY, view="compare")
+    fill(d, "cmp-max_tokens", 6)
+    by(d, "#cmp-run")[0].click()
+    wait_for(lambda: by(d, "#cmp-run")[0].is_enabled() and
+             len(by(d, "#cmp-a-out .tok")) == 6 and len(by(d, "#cmp-b-out .tok")) == 6,
+             60, "both answers")
     a, b = [s["body"] for s in d.execute_script("return window.__sent")]
     assert a["messages"] == b["messages"] and a["seed"] == b["seed"]
     assert "thermostat" not in a["entropic"] and "thermostat" in b["entropic"]
     # one chart, three traces per run
-    labels = [e.text for e in _by(d, "#cmp-trace .u-series th")]
+    labels = [e.text for e in by(d, "#cmp-trace .u-series th")]
     assert sum("(A)" in x for x in labels) == 3 and sum("(B)" in x for x in labels) == 3
-    assert "tokens 6" in _by(d, "#cmp-a-stats")[0].text
+    assert "tokens 6" in by(d, "#cmp-a-stats")[0].text
 
 
 @pytest.mark.model
 def test_server_view(driver, server):
     d = driver
-    _open(d, server.base, view="server")
-    _wait(lambda: _text(d, "#srv-tps .value") not in (None, "–"), 10, "two polls of /metrics")
-    assert _text(d, "#srv-running .value") == "0"
-    assert _text(d, "#srv-kv .label").startswith("KV blocks in use of ")
-    assert float(_text(d, "#srv-entropy .value")) > 0  # tokens were sampled before
+    open_page(d, server.base, KEY, view="server")
+    wait_for(lambda: text_of(d, "#srv-tps .value") not in (None, "–"), 10, "two polls of /metrics")
+    assert text_of(d, "#srv-running .value") == "0"
+    assert text_of(d, "#srv-kv .label").startswith("KV blocks in use of ")
+    assert float(text_of(d, "#srv-entropy .value")) > 0  # tokens were sampled before
     # pruning is on: the share of live blocks attended since start, and its chart
     assert re.fullmatch(r"blocks attended / live \(since start \d+\.\d%\)",
-                        _text(d, "#srv-pruning .label"))
+                        text_of(d, "#srv-pruning .label"))
     # "idle" when no decode step ran between the last two polls
-    assert re.fullmatch(r"idle|\d+\.\d%", _text(d, "#srv-pruning .value"))
-    assert _by(d, "#srv-charts .chart.small")[-1].is_displayed()
+    assert re.fullmatch(r"idle|\d+\.\d%", text_of(d, "#srv-pruning .value"))
+    assert by(d, "#srv-charts .chart.small")[-1].is_displayed()
     # no CSP violation and no script error all session long (the 401s the key test
     # provoked are logged as network errors, and are meant)
     logs = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
@@ -479,28 +378,28 @@ def test_screenshots_of_each_view(driver, server, tmp_path):
     out = os.environ.get("LENS_SCREENSHOTS")
     target = (os.path.join(os.path.dirname(__file__), "..", out) if out else str(tmp_path))
     busy = bool(out)  # longer answers and some load for the real pictures
-    _open(d, server.base)
-    _by(d, "#pg-thermostat")[0].click()
-    _send(d, "Write a short poem about the sea.", max_tokens=48 if busy else 16, temperature=0.7)
-    spans = _by(d, "#pg-transcript .turn.assistant .tok")
+    open_page(d, server.base, KEY)
+    by(d, "#pg-thermostat")[0].click()
+    send(d, "Write a short poem about the sea.", max_tokens=48 if busy else 16, temperature=0.7)
+    spans = by(d, "#pg-transcript .turn.assistant .tok")
     k = max(range(len(spans)), key=lambda i: float(spans[i].get_attribute("data-entropy")))
     ActionChains(d).move_to_element(spans[k]).perform()
     d.save_screenshot(os.path.join(target, "lens_playground.png"))
-    _open(d, server.base, view="compare")
-    _fill(d, "cmp-max_tokens", 48 if busy else 8)
-    _by(d, "#cmp-run")[0].click()
-    _wait(lambda: _by(d, "#cmp-run")[0].is_enabled() and _by(d, "#cmp-b-out .tok"), 120, "B")
+    open_page(d, server.base, KEY, view="compare")
+    fill(d, "cmp-max_tokens", 48 if busy else 8)
+    by(d, "#cmp-run")[0].click()
+    wait_for(lambda: by(d, "#cmp-run")[0].is_enabled() and by(d, "#cmp-b-out .tok"), 120, "B")
     d.set_window_size(1280, 1180)  # the overlaid chart under both answers
     d.save_screenshot(os.path.join(target, "lens_compare.png"))
     d.set_window_size(1280, 900)
     d.get(f"{server.base}/#server")
     if busy:  # a few answers in flight while the page polls
         for _ in range(3):
-            _by(d, "#tab-compare")[0].click()
-            _by(d, "#cmp-run")[0].click()
-            _by(d, "#tab-server")[0].click()
+            by(d, "#tab-compare")[0].click()
+            by(d, "#cmp-run")[0].click()
+            by(d, "#tab-server")[0].click()
             time.sleep(5)
-    _wait(lambda: _text(d, "#srv-tps .value") not in (None, "–"), 10, "two polls")
+    wait_for(lambda: text_of(d, "#srv-tps .value") not in (None, "–"), 10, "two polls")
     d.save_screenshot(os.path.join(target, "lens_server.png"))
     for name in ("lens_playground.png", "lens_compare.png", "lens_server.png"):
         with open(os.path.join(target, name), "rb") as f:
