@@ -313,6 +313,30 @@ def test_a_dropped_stream_is_reported_and_the_page_goes_on(driver, server):
 
 
 @pytest.mark.model
+def test_an_error_inside_a_stream_is_reported(driver, server):
+    d = driver
+    open_page(d, server.base, KEY)
+    one = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"},
+                        "logprobs": {"content": [{"token": "Hi", "logprob": -0.2,
+                                                  "top_logprobs": []}]},
+                        "entropic": {"entropies": [0.4], "temperatures": [0.7]},
+                        "finish_reason": None}]}
+    err = {"error": {"message": "the engine failed this request", "type": "server_error",
+                     "param": None, "code": None}}
+    sse = f"data: {json.dumps(one)}\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n"
+    d.execute_script("""
+        const sse = arguments[0];
+        window.fetch = async (url, opts = {}) => opts.method === 'POST'
+          ? new Response(sse, {headers: {'Content-Type': 'text/event-stream'}})
+          : window.__realFetch(url, opts);""", sse)
+    answer = send(d, PROMPT, max_tokens=3)
+    assert answer.get_attribute("textContent") == "Hi"
+    assert text_of(d, "#pg-message") == ("The request failed after 1 token: the server "
+                                         "reported: the engine failed this request.")
+    assert by(d, "#pg-send")[0].is_enabled()
+
+
+@pytest.mark.model
 def test_exports(driver, server):
     d = driver
     open_page(d, server.base, KEY)
