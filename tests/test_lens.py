@@ -200,6 +200,42 @@ def test_thermostat_toggle_changes_the_request_body(driver, server):
     ActionChains(d).move_to_element(last).perform()
     t = float(wait_for(lambda: by(d, "#hovercard .card-t")[0].text, 5, "the card"))
     assert 0.2 <= t <= 2.0 and t != 0.8
+    # and the trace shows the tempered entropy it steered
+    assert "H^T_t nats" in [e.text for e in by(d, "#pg-trace .u-series th")]
+
+
+@pytest.mark.model
+def test_tempered_entropy_is_recovered_from_the_temperatures(driver, server):
+    """traces.js inverts the thermostat's law; fed temperatures made by the law itself
+    (entropic.control.thermostat, float32 as the API sends them) it returns the H^T_t the
+    law was given, except where T_{t+1} was clipped."""
+    import numpy as np
+
+    from entropic.control.thermostat import next_temperature
+    d = driver
+    open_page(d, server.base, KEY)
+    th = {"target_entropy": 2.0, "eta": 0.3, "t_min": 0.2, "t_max": 2.0, "mode": "stabilize"}
+    rng = np.random.default_rng(0)
+    h = [float(x) for x in rng.uniform(0.0, 6.0, 40)] + [9.0, 9.0, 9.0, 0.0, 0.0]
+    temps, t = [], 0.7
+    for ht in h:
+        temps.append(float(np.float32(t)))
+        t = next_temperature(t, ht, 2.0, 0.3, 0.2, 2.0, "stabilize")
+    got = d.execute_async_script("""
+        const [temps, th, done] = arguments;
+        import('/lens/traces.js').then((m) => done(m.temperedEntropies(temps, th)));""",
+                                 temps, th)
+    clipped = [i for i in range(len(h) - 1) if temps[i + 1] in (np.float32(0.2), 2.0)]
+    assert clipped and got[-1] is None
+    for i in range(len(h) - 1):
+        if i in clipped:
+            assert got[i] is None
+        else:
+            assert got[i] == pytest.approx(h[i], abs=1e-5)
+    assert d.execute_async_script("""
+        const done = arguments[0];
+        import('/lens/traces.js').then((m) => done(m.temperedEntropies([1, 1.1], null)));"""
+                                  ) == [None, None]
 
 
 @pytest.mark.model
@@ -368,7 +404,8 @@ def test_compare_runs_both_and_overlays_their_traces(driver, server):
     assert "thermostat" not in a["entropic"] and "thermostat" in b["entropic"]
     # one chart, three traces per run
     labels = [e.text for e in by(d, "#cmp-trace .u-series th")]
-    assert sum("(A)" in x for x in labels) == 3 and sum("(B)" in x for x in labels) == 3
+    assert sum("(A)" in x for x in labels) == 3  # H_t, T_t, cumulative tau
+    assert sum("(B)" in x for x in labels) == 4  # and H^T_t, under the thermostat
     assert "tokens 6" in by(d, "#cmp-a-stats")[0].text
 
 

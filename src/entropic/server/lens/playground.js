@@ -73,7 +73,8 @@ export function setupPlayground(card) {
     bubble(chat ? "user" : "prompt", text);
     const out = bubble("assistant", null);
     const offset = records.length;
-    const live = { label: "answer", tokens: [] };
+    const thermostat = body.entropic.thermostat || null;
+    const live = { label: "answer", tokens: [], thermostat };
     controller = new AbortController();
     send.disabled = true;
     stop.disabled = false;
@@ -104,7 +105,7 @@ export function setupPlayground(card) {
     }
     if (result) {
       last = { body, run: result };
-      chart.set([{ label: "answer", tokens: result.tokens }]);
+      chart.set([{ label: "answer", tokens: result.tokens, thermostat }]);
       statsLine($("pg-stats"), result);
       $("pg-png").disabled = $("pg-json").disabled = false;
     }
