@@ -106,7 +106,7 @@ export class TraceChart {
       scales: { x: { time: false }, T: { range: (u, lo, hi) => [0, Math.max(2, hi || 0)] } },
       axes: [
         { label: "token index", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000] },
-        { scale: "nats", label: "H_t (nats)", stroke: COLOURS.H },
+        { scale: "nats", label: "entropy (nats)", stroke: COLOURS.H },
         { scale: "T", side: 1, label: "T_t", stroke: COLOURS.T, grid: { show: false } },
         { scale: "tau", side: 1, label: "cumulative τ (nats)", stroke: COLOURS.tau,
           grid: { show: false } },
