@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from entropic.server.async_engine import AsyncEngine, FatalHook
 from entropic.server.errors import (ApiKeyGate, BodyLimit, ContainErrors, HostCheck,
                                     install_error_handlers)
+from entropic.server.lens import lens_router
 from entropic.server.metrics import ServerMetrics
 from entropic.server.openai_api import ServerState, router
 from entropic.server.tokenizer_api import router as tokenizer_router
@@ -41,7 +42,9 @@ class ServerOptions:
     `max_body_bytes`: larger request bodies get 413; None sizes it to the context,
     `BODY_BYTES_PER_TOKEN` per token of max_model_len, at least `MIN_BODY_BYTES`.
     `allowed_hosts`: names accepted in the Host header (400 otherwise); `entropic serve`
-    sets the loopback names when it binds a loopback address (see `default_allowed_hosts`)."""
+    sets the loopback names when it binds a loopback address (see `default_allowed_hosts`).
+    `ui`: serve the entropy lens page at / (server/lens.py); its static files need no key,
+    the API calls it makes do."""
 
     model_name: str | None = None
     api_key: str | None = None
@@ -50,6 +53,7 @@ class ServerOptions:
     protect_metrics: bool = False
     enable_docs: bool = False
     allowed_hosts: frozenset[str] | None = None  # Host header names served; None: any
+    ui: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -121,6 +125,8 @@ def build_app(llm, options: ServerOptions = ServerOptions(),
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(tokenizer_router)
+    if options.ui:
+        app.include_router(lens_router())
     # added innermost first: the key is checked before the body is read
     app.add_middleware(ContainErrors)
     app.add_middleware(BodyLimit, max_bytes=options.body_limit(llm.engine.max_model_len))

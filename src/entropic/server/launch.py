@@ -43,6 +43,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated names accepted in the Host header, '*' for any "
                         "(default: the loopback names when bound to loopback, which stops DNS "
                         "rebinding; any otherwise)")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the entropy lens web page at / (docs/lens.md)")
     p.add_argument("--timeout-header", type=float, default=10.0,
                    help="close connections that take longer to send request headers (s)")
     p.add_argument("--timeout-keep-alive", type=int, default=5,
@@ -102,6 +104,17 @@ def allowed_hosts(given: str | None, bind_host: str, default) -> frozenset[str] 
     return None if "*" in names else names
 
 
+def page_url(host: str, port: int) -> str:
+    """The address to open the page at: a wildcard bind is reached on loopback."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Exits 1 if the engine loop dies, so a
     supervisor restarts the server instead of it answering 503 for ever."""
@@ -118,6 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     options = ServerOptions(model_name=args.served_model_name, api_key=api_key_from(args),
                             max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                             protect_metrics=args.protect_metrics, enable_docs=args.enable_docs,
+                            ui=args.ui,
                             allowed_hosts=allowed_hosts(args.allowed_hosts, args.host,
                                                         default_allowed_hosts))
     protocol = header_timeout_protocol(args.timeout_header)
@@ -159,10 +173,26 @@ def serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
+    async def announce() -> None:
+        """Once the port is bound, say where the page is (uvicorn's own line names the
+        bind address, which for 0.0.0.0 is not one to open)."""
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        url = page_url(args.host, args.port)
+        what = (f"entropy lens (web UI): open {url} in a browser" if args.ui
+                else f"serving the API at {url}v1 (web UI off: --no-ui)")
+        print(what, file=sys.stderr, flush=True)
+
     async def main() -> None:
         nonlocal loop
         loop = asyncio.get_running_loop()
-        await server.serve()
+        shout = asyncio.ensure_future(announce())
+        try:
+            await server.serve()
+        finally:
+            shout.cancel()
 
     asyncio.run(main())
     return 1 if failed else 0

@@ -90,11 +90,19 @@ class ServerMetrics:
         self.mean_temperature = Gauge(p + "mean_temperature",
                                       f"Mean temperature of the last {TOKEN_WINDOW} sampled "
                                       "tokens (0 = greedy)", registry=r)
-        self.pruned_fraction = self.evicted = None
+        self.pruned_fraction = self.evicted = self.blocks_live = self.blocks_attended = None
         if pruned_block_fraction(engine.stats) is not None:
             self.pruned_fraction = Gauge(p + "pruned_block_fraction",
                                          "Share of live KV blocks that decode attention skipped "
                                          "(entropic pruning; 0 when dense), since start",
+                                         registry=r)
+        if hasattr(engine.stats, "decode_blocks_live"):
+            # the two counts behind that share, so a reader (the entropy lens) can take
+            # their rates over a window of its own; both stay 0 without a block policy
+            self.blocks_live = Gauge(p + "decode_blocks_live", "KV blocks decode steps could "
+                                     "attend (under a block policy), since start", registry=r)
+            self.blocks_attended = Gauge(p + "decode_blocks_attended", "KV blocks decode steps "
+                                         "attended (under a block policy), since start",
                                          registry=r)
         if hasattr(engine.stats, "blocks_evicted"):
             self.evicted = Gauge(p + "kv_blocks_evicted", "KV blocks evicted for good by the "
@@ -166,6 +174,9 @@ class ServerMetrics:
             self.pruned_fraction.set(pruned_block_fraction(stats))
         if self.evicted is not None:
             self.evicted.set(stats.blocks_evicted)
+        if self.blocks_live is not None:
+            self.blocks_live.set(stats.decode_blocks_live)
+            self.blocks_attended.set(stats.decode_blocks_attended)
         if self.spec is not None:
             d = self.engine.speculator.stats.as_dict()
             for key, gauge in self.spec.values():
