@@ -204,3 +204,12 @@ def test_the_model_records_its_level(llm_bf16_small=None):
         with kernels.forced_isa(lv):
             assert native_prefill_supported(torch.bfloat16, 64)
     assert not math.isnan(0.0)
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path):
+    """torch's build lock is a plain file; a build killed midway leaves it behind. Under
+    entropic's OS lock (released by the OS when its holder dies) that file is stale and
+    goes, so the next load builds instead of waiting for ever."""
+    (tmp_path / "lock").write_text("")
+    with kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()

@@ -25,6 +25,7 @@ one. `LLM(kernels="torch")` runs the plain PyTorch ops instead (no compiler need
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -91,11 +92,29 @@ def build_flags() -> list[str]:
 def build_dir() -> Path:
     """The cache folder for these sources, torch version, compiler flags and CPU."""
     texts = [p.read_text() for p in SOURCES + HEADERS]
+    # the sources' folder too: ninja's build file names them by absolute path, so two
+    # checkouts sharing one folder would rebuild each other's kernels in turn
     key = hashlib.sha256("\n".join(
-        [*texts, torch.__version__, " ".join(build_flags()), _cpu_flags()]).encode()
+        [*texts, str(SOURCES[0].parent), torch.__version__, " ".join(build_flags()),
+         _cpu_flags()]).encode()
     ).hexdigest()[:16]
     root = os.environ.get("ENTROPIC_KERNELS_DIR") or Path.home() / ".cache" / "entropic" / "kernels"
     return Path(root) / key
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """One build at a time per cache folder, across processes, by an OS lock that dies with
+    its holder. torch's own lock is a plain file that a build killed midway leaves behind,
+    and every later load would wait on it for ever; while we hold ours, no other entropic
+    process can be building here, so such a file is stale and goes."""
+    with open(out / "entropic.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            (out / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def load() -> None:
@@ -112,9 +131,12 @@ def load() -> None:
         out = build_dir()
         out.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name="entropic_cpu_kernels", sources=[str(p) for p in SOURCES],
-                               extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
-                               build_directory=str(out), is_python_module=False, verbose=False)
+            with _build_lock(out):
+                cpp_extension.load(name="entropic_cpu_kernels",
+                                   sources=[str(p) for p in SOURCES],
+                                   extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
+                                   build_directory=str(out), is_python_module=False,
+                                   verbose=False)
         except (RuntimeError, OSError, ImportError) as e:
             raise KernelBuildError(
                 f"could not build entropic's native CPU kernels in {out} ({e}); they need a "
