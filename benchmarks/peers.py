@@ -202,6 +202,16 @@ class _HFPeer:
 class _LlamaCppPeer:
     def __init__(self, a):
         import llama_cpp
+        import llama_cpp.llama as llama_module
+
+        if a.no_extra_bufts:  # the constructor takes its model params from this function
+            default = llama_cpp.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+            llama_module.llama_cpp.llama_model_default_params = params
 
         self.llm = llama_cpp.Llama(model_path=a.model, n_ctx=a.n_ctx, n_threads=a.threads,
                                    n_threads_batch=a.threads, verbose=False)
@@ -370,6 +380,10 @@ def child_setup(peer: str, a) -> tuple[str, str, dict]:
     return python, model, env
 
 
+class ChildCrashed(RuntimeError):
+    """A peer's child process died of a signal (a crash, not an error it reported)."""
+
+
 def run_child(peer: str, a, work_file: str, startup_only: bool) -> dict:
     python, model, env = child_setup(peer, a)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -381,7 +395,11 @@ def run_child(peer: str, a, work_file: str, startup_only: bool) -> dict:
         cmd.append("--startup-only")
     load0 = os.getloadavg()
     t0 = time.perf_counter()
+    if peer == "llama.cpp" and a.no_extra_bufts:
+        cmd.append("--no-extra-bufts")
     proc = subprocess.run(cmd, env=env, cwd=str(ROOT), check=False)
+    if proc.returncode < 0:
+        raise ChildCrashed(f"{peer} child died of signal {-proc.returncode}")
     if proc.returncode:
         raise RuntimeError(f"{peer} child failed with exit code {proc.returncode}")
     res = json.loads(Path(out).read_text())
@@ -472,6 +490,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra buffer types (AMX, repacked Q4); also "
+                    "chosen by itself when the llama.cpp child crashes with them")
     a = ap.parse_args(argv)
     if a.child:
         return a
@@ -492,33 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def main(argv=None) -> None:
-    a = parse_args(argv)
-    if a.child:
-        child_main(a)
-        return
-    load0 = os.getloadavg()
-    work = build_workload(a.model, a)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(work, f)
-        work_file = f.name
-    results, skipped = {}, {}
-    try:
-        for peer in a.peers:
-            why = available(peer, a)
-            if why:
-                print(f"skipping {peer}: {why}", file=sys.stderr)
-                skipped[peer] = why
-                continue
-            print(f"{peer}: start-up x{a.repeats} ...", file=sys.stderr, flush=True)
-            starts = [run_child(peer, a, work_file, True) for _ in range(a.repeats)]
-            print(f"{peer}: figures ...", file=sys.stderr, flush=True)
-            res = run_child(peer, a, work_file, False)
-            res["startup_runs_s"] = [s["startup_s"] for s in starts]
-            res["startup_rss_mib"] = [s["peak_rss_mib"] for s in starts]
-            results[peer] = res
-    finally:
-        os.unlink(work_file)
+def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
+                  load0: tuple) -> tuple[dict, dict, dict]:
+    """Summaries, ratios and run facts of the peers finished so far, written to a.out (after
+    every peer, so that one that fails or hangs later loses nobody's figures)."""
     summary = {p: summarize(r) for p, r in results.items()}
     meta = {
         "model": a.model, "threads": a.threads, "repeats": a.repeats, "new_tokens": a.new_tokens,
@@ -533,7 +531,12 @@ def main(argv=None) -> None:
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "notes": {"llama.cpp": "N concurrent = N requests back to back (llama-cpp-python has no "
                                "continuous batching); runs on the GGUF's own quantized weights"},
+        "complete": len(results) + len(skipped) + len(failed) == len(a.peers),
     }
+    if results.get("llama.cpp", {}).get("extra_bufts") is False:
+        meta["notes"]["llama.cpp extra buffer types"] = (
+            "off: the child crashed with them on (AMX / repacked Q4 layouts), so it ran again "
+            "with use_extra_bufts=False")
     ratios = {}
     for o in OURS:
         for p, fig in summary.items():
@@ -542,11 +545,72 @@ def main(argv=None) -> None:
                                          for k, _, b in figure_names(a) if k in fig}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"meta": meta, "median": summary, "ratio_ours_vs_peer": ratios,
-                                 "skipped": skipped, "raw": results}, indent=2))
+                                 "skipped": skipped, "failed": failed, "raw": results},
+                                indent=2))
+    return summary, ratios, meta
+
+
+def run_peer(peer: str, a, work_file: str) -> dict:
+    """Start-up runs, then the figures; llama.cpp that dies of a signal (its extra buffer
+    types crash on some CPUs) runs again without them."""
+    try:
+        return _run_peer(peer, a, work_file)
+    except ChildCrashed:
+        if peer != "llama.cpp" or a.no_extra_bufts:
+            raise
+        print("llama.cpp: crashed; again without extra buffer types", file=sys.stderr)
+        a.no_extra_bufts = True
+        try:
+            res = _run_peer(peer, a, work_file)
+        finally:
+            a.no_extra_bufts = False
+        res["extra_bufts"] = False
+        return res
+
+
+def _run_peer(peer: str, a, work_file: str) -> dict:
+    print(f"{peer}: start-up x{a.repeats} ...", file=sys.stderr, flush=True)
+    starts = [run_child(peer, a, work_file, True) for _ in range(a.repeats)]
+    print(f"{peer}: figures ...", file=sys.stderr, flush=True)
+    res = run_child(peer, a, work_file, False)
+    res["startup_runs_s"] = [s["startup_s"] for s in starts]
+    res["startup_rss_mib"] = [s["peak_rss_mib"] for s in starts]
+    return res
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    if a.child:
+        child_main(a)
+        return
+    load0 = os.getloadavg()
+    work = build_workload(a.model, a)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(work, f)
+        work_file = f.name
+    results, skipped, failed = {}, {}, {}
+    summary, meta = {}, {}
+    try:
+        for peer in a.peers:
+            why = available(peer, a)
+            if why:
+                print(f"skipping {peer}: {why}", file=sys.stderr)
+                skipped[peer] = why
+            else:
+                try:
+                    results[peer] = run_peer(peer, a, work_file)
+                except RuntimeError as e:  # the others still run, and are written
+                    print(f"{peer} failed: {e}", file=sys.stderr)
+                    failed[peer] = str(e)
+            summary, _, meta = write_results(a, work, results, skipped, failed, load0)
+    finally:
+        os.unlink(work_file)
     print(f"\n{Path(a.model).name}, {a.threads} threads, {a.new_tokens} new tokens, median of "
           f"{a.repeats}, load average {load0[0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
     for p, why in skipped.items():
         print(f"skipped {p}: {why}")
+    for p, why in failed.items():
+        print(f"failed {p}: {why}")
     if summary:
         print()
         print(markdown(summary, a, meta))
