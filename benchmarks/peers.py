@@ -199,19 +199,28 @@ class _HFPeer:
         return tt[0] - t0 if tt else wall
 
 
+def llama_cpp_without_extra_bufts() -> None:
+    """Make llama-cpp-python load weights without llama.cpp's extra buffer types (AMX and
+    repacked Q4 layouts, which crash on some CPUs): its Llama constructor takes the model
+    params from this module-level function."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    llama_module.llama_cpp.llama_model_default_params = params
+
+
 class _LlamaCppPeer:
     def __init__(self, a):
         import llama_cpp
-        import llama_cpp.llama as llama_module
 
-        if a.no_extra_bufts:  # the constructor takes its model params from this function
-            default = llama_cpp.llama_model_default_params
-
-            def params():
-                p = default()
-                p.use_extra_bufts = False
-                return p
-            llama_module.llama_cpp.llama_model_default_params = params
+        if a.no_extra_bufts:
+            llama_cpp_without_extra_bufts()
 
         self.llm = llama_cpp.Llama(model_path=a.model, n_ctx=a.n_ctx, n_threads=a.threads,
                                    n_threads_batch=a.threads, verbose=False)

@@ -208,17 +208,12 @@ def llama_cpp_lookup(model_path: str, sets: dict, workloads: list[str], n: int,
     (prefill included, as for ours). `extra_bufts=False` loads the weights without
     llama.cpp's extra buffer types (AMX and repacked layouts)."""
     import llama_cpp
-    import llama_cpp.llama as llama_module
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    if not extra_bufts:  # the constructor takes its model params from this function
-        default = llama_cpp.llama_model_default_params
+    from peers import llama_cpp_without_extra_bufts
 
-        def params():
-            p = default()
-            p.use_extra_bufts = False
-            return p
-        llama_module.llama_cpp.llama_model_default_params = params
+    if not extra_bufts:
+        llama_cpp_without_extra_bufts()
 
     def make(draft):
         # n_batch = n_ctx: with a draft model llama-cpp-python keeps logits for every
