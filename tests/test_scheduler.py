@@ -137,3 +137,25 @@ def test_forced_preemption_gives_same_greedy_tokens(reqs, max_seqs):
     tight, n1 = tokens(need)  # just enough for the largest request alone
     assert n0 == 0
     assert roomy == tight
+
+
+def test_a_recomputed_request_waits_until_its_whole_context_fits():
+    """Memory binds (4 requests, blocks for 3.8): the request preempted by recompute is not
+    readmitted chunk by chunk as soon as a few blocks free up, only to be preempted again
+    when the running ones grow; it waits until its whole context fits, and is preempted
+    once."""
+    sched, pool, runner = make_scheduler(68, max_num_seqs=8, budget=32)
+    reqs = [Request(f"r{i}", [(i * 7 + j) % 50 for j in range(40)],
+                    SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), float(i))
+            for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    computed = 0
+    while sched.num_unfinished:
+        out = sched.schedule()
+        computed += sum(c.num_tokens for c in out.chunks)
+        sched.update(out, runner.execute(out), 0.0)
+    assert max(r.metrics.num_preemptions for r in reqs) == 1
+    assert sched.num_preemptions == 1
+    assert computed <= 4 * (40 + 32 - 1) + (40 + 32 - 1)  # at most one context recomputed
+    assert pool.num_free == 68

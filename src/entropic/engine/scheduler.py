@@ -326,8 +326,20 @@ class Scheduler:
 
     def _admit(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
                preempted: set[str]) -> bool:
-        """Admit a waiting request, displacing lower-ranked running ones if the policy allows."""
+        """Admit a waiting request, displacing lower-ranked running ones if the policy allows.
+
+        A request that lost its KV to a preemption comes back only once its whole context
+        fits beside one block of growth per running request: readmitted chunk by chunk as
+        soon as a few blocks free up, it was preempted again as soon as the running ones
+        grew, over and over (14 preemptions for 4 long documents), each time recomputing
+        what it had prefilled. The policy may still let it displace a running request
+        (an aged one must get in: the aging bound holds)."""
         need = req.num_computed_tokens + n
+        if (self.running and req.num_computed_tokens == 0 and req.metrics.num_preemptions
+                and self.kv.blocks_needed(req.num_tokens) + len(self.running)
+                > self.kv.pool.num_free
+                and not any(self.policy.displace(req, v, self.step_count) for v in later)):
+            return False  # (unless the policy lets it displace someone: aging must hold)
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(req.request_id,
                                                                             need):
             fits = self.kv.can_fit(req.request_id, need)
