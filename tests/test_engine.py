@@ -214,3 +214,11 @@ def test_a_request_that_fails_fails_alone(llm_bf16):
     assert all(o.finish_reason == "length" for o in outs[:1] + outs[2:])
     assert llm_bf16.engine.stats.failed == failed_before + 1
     assert _no_blocks_held(llm_bf16)
+
+
+def test_finished_requests_are_released_at_once(llm_fp32):
+    """One release path: the sampler's per-request state (a seeded generator) goes when the
+    request finishes, with no further step."""
+    sampler = llm_fp32.engine.runner.sampler
+    out = llm_fp32.generate("Hello", SamplingParams(max_tokens=3, temperature=0.8, seed=5))
+    assert out[0].finished and out[0].request_id not in sampler._generators

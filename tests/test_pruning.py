@@ -1,5 +1,6 @@
 """Entropic KV-block pruning: selection invariants, attention over chosen blocks, eviction."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -247,7 +248,10 @@ def test_prefill_copied_into_another_engine_decodes_the_same(llm_fp32, chat_prom
     eng = llm_fp32.engine
     prompt = chat_prompts[7]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    (full,) = llm_fp32.generate([prompt], sp)
+    # a full run from scratch (the shared LLM's prefix cache may hold this prompt already)
+    dense = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, enable_prefix_caching=False))
+    dense.add_request("full", prompt, sp)
+    (full,) = dense.run_until_done()
     pre = PrefilledPrompt.run(LLMEngine(eng.model, eng.tokenizer, eng.config), prompt, sp)
     fresh = LLMEngine(eng.model, eng.tokenizer, eng.config)
     pre.start_in(fresh, "copy", sp)

@@ -32,6 +32,7 @@ def _build(args):
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kernels=args.kernels, progress=True, max_model_len=None,
+              enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=speculative_from_args(args))
     print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}",
           file=sys.stderr, flush=True)

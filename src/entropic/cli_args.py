@@ -17,3 +17,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="native: entropic's C++ CPU kernels for the small per-layer ops and "
                         "decode attention (the CPU default; compiled on first use); torch: "
                         "plain torch ops")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="share the KV of full blocks between requests with the same prefix "
+                        "(default on; --no-enable-prefix-caching turns it off)")

@@ -122,6 +122,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None  # None: the model's own context length
+    # share the KV of full blocks between requests with the same prefix
+    # (docs/prefix_caching.md)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -138,6 +141,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, "
+                            f"got {self.enable_prefix_caching!r}")
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """Number of KV blocks: given directly, or derived from the GiB budget."""

@@ -54,6 +54,9 @@ class LLM:
     tokens by prompt lookup (or a draft model) that decode steps verify in one pass; the
     entropy gate decides when and how far. Greedy and seeded outputs are token-identical
     to decoding without it.
+    `enable_prefix_caching` (on by default) lets a request start on the KV blocks of an
+    earlier request with the same prefix (a shared system prompt, a chat's earlier turns)
+    instead of computing them again (docs/prefix_caching.md).
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "auto", *,
@@ -61,6 +64,7 @@ class LLM:
                  device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                  kv_cache_gib: float = 1.0, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True,
                  seed: int | None = None, progress: bool = False,
                  scheduling: str = "fcfs",
                  scheduling_config: EntropicSchedulingConfig | None = None,
@@ -71,7 +75,8 @@ class LLM:
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
-                              max_model_len=max_model_len)
+                              max_model_len=max_model_len,
+                              enable_prefix_caching=enable_prefix_caching)
         torch_dtype, self.dtype_reason = choose_dtype(dtype, device, quantization)
         check_quantization(quantization, torch_dtype, device)
         if kernels is not None:

@@ -138,7 +138,10 @@ def build_llm(cfg: AblationConfig, opts: AblationOptions, probe: TemperedEntropy
                max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
                scheduling="entropic" if cfg.sched else "fcfs",
                pruning=PruningConfig() if cfg.prune else None,
-               speculative_config=SpeculativeConfig() if cfg.spec else None)
+               speculative_config=SpeculativeConfig() if cfg.spec else None,
+               # repeats replay the same prompts: a prefix cache would serve repeat 2 on
+               # from repeat 1's KV (its counters still land in the engine stats)
+               enable_prefix_caching=False)
 
 
 def sampling_params(item: WorkItem, cfg: AblationConfig, opts: AblationOptions, seed: int):

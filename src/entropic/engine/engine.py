@@ -80,6 +80,10 @@ class EngineStats:
     decode_blocks_live: int = 0
     decode_blocks_attended: int = 0
     blocks_evicted: int = 0
+    # prefix cache, in tokens: of the tokens of admitted requests looked up (queries),
+    # those found computed already (hits); vLLM counts the same
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # how the model was loaded: its dtype, the native kernels' ISA level (None on torch's
     # ops), both from the model; why that dtype, set by the LLM that chose it
     dtype: str = ""
@@ -91,6 +95,11 @@ class EngineStats:
         """Share of the live KV blocks that decode steps skipped."""
         live = self.decode_blocks_live
         return 1.0 - self.decode_blocks_attended / live if live else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
 
     @property
     def tau_per_tflop(self) -> float:
@@ -124,7 +133,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.num_blocks = config.resolve_num_blocks(mc, model.dtype)
         self.pool = BlockPool(self.num_blocks)
-        self.kv = KVCacheManager(self.pool, config.block_size)
+        # what besides the tokens decides a block's KV: one engine has one model and dtype
+        # (and no LoRA); named anyway, so that hashes never mean two things
+        salt = f"{mc!r}|{dtype_name(model.dtype)}|{getattr(model, 'kernels', 'torch')}"
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
+                                 salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids, policy, block_policy,
                                    speculator)
@@ -202,6 +215,8 @@ class LLMEngine:
         return out
 
     def _release(self, request_ids: list[str]) -> None:
+        """The one release path of finished requests: every hook forgets them."""
+        self.runner.sampler.release(request_ids)
         if self.observer is not None:
             self.observer.release(request_ids)
         if self.block_policy is not None:
@@ -227,7 +242,6 @@ class LLMEngine:
         began = time.perf_counter()
         sched: SchedulerOutput = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.execute(sched)  # still releases finished requests' sampler state
             return []
         now = time.perf_counter()
         for c in sched.chunks:
@@ -240,7 +254,7 @@ class LLMEngine:
             sched.chunks = [c for c in sched.chunks if c.request_id not in failed]
         done = time.perf_counter()
         self._account(sched, done - now)
-        pure_decode = all(c.num_tokens == 1 or c.draft for c in sched.chunks)
+        pure_decode = all(c.is_decode or c.draft for c in sched.chunks)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
                                         result.accepted)
         if self.block_policy is not None:
@@ -250,6 +264,8 @@ class LLMEngine:
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.pauses = self.scheduler.num_pauses
         self.stats.recomputes = self.scheduler.num_recomputes
+        self.stats.prefix_cache_queries = self.scheduler.num_cache_queries
+        self.stats.prefix_cache_hits = self.scheduler.num_cache_hits
         for req in touched:
             if req.request_id not in self._detok:
                 continue  # failed above, after update handed it a token
@@ -400,7 +416,7 @@ class LLMEngine:
     def _work(self, c: ScheduledChunk) -> ChunkWork:
         """What a chunk computed: dense causal attention, or a decode over chosen blocks."""
         bs = self.config.block_size
-        if self.block_policy is not None and c.num_tokens == 1 and c.start_pos > 0:
+        if self.block_policy is not None and c.is_decode:
             num = c.start_pos // bs + 1
             self.stats.decode_blocks_live += sum(b != EVICTED for b in c.block_table[:num])
             live = num if c.attend_blocks is None else len(c.attend_blocks)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from entropic.engine.block_policy import decode_context_length
+from entropic.engine.block_pool import cdiv
 from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
                                        ScheduledChunk)
 from entropic.model.attention import (AttentionMetadata, DecodeGroup, KVCache, PrefillChunk,
@@ -20,11 +21,6 @@ from entropic.sampling.sampler import Sampler, SamplingBatch, score_tokens
 # Fixed cost of one more decode group, in padded context positions: the group's extra
 # gather and SDPA calls per layer cost about what attending ~160 more positions does.
 DECODE_GROUP_OVERHEAD = 160
-
-
-def _is_decode(c: ScheduledChunk) -> bool:
-    """One new token after a cached context (a prefill chunk of one token counts too)."""
-    return c.num_tokens == 1 and c.start_pos > 0
 
 
 def verify_rows(c: ScheduledChunk, block_size: int) -> list[ScheduledChunk]:
@@ -105,7 +101,7 @@ class ModelRunner:
         for c in out.chunks:
             if c.draft:
                 decodes += verify_rows(c, self.block_size)
-            elif _is_decode(c):
+            elif c.is_decode:
                 decodes.append(c)
             else:
                 prefills.append(c)
@@ -140,7 +136,7 @@ class ModelRunner:
         """[rows, length] cache slots of positions 0..length-1 of each row (rows with fewer
         blocks are padded with block 0: callers mask those positions)."""
         bs = self.block_size
-        nb = -(-length // bs)
+        nb = cdiv(length, bs)
         padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables]
         blocks = torch.tensor(padded, dtype=torch.long, device=self.device)
         offsets = torch.arange(bs, dtype=torch.long, device=self.device)
@@ -232,7 +228,7 @@ class ModelRunner:
         for g in meta.decode_groups:
             if g.mass is None:
                 continue
-            nb = -(-g.ctx // bs)
+            nb = cdiv(g.ctx, bs)
             per_block = torch.nn.functional.pad(g.mass, (0, nb * bs - g.ctx)).view(
                 -1, nb, bs).sum(-1).div_(cfg.num_layers * cfg.num_heads).tolist()
             for k in range(g.start, g.end):
@@ -261,7 +257,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        self.sampler.release(out.finished_ids)
         if out.is_empty:
             return ModelOutput({}, 0)
         chunks, input_ids, positions, meta, logits_idx = self.prepare(out)

@@ -42,6 +42,7 @@ class Request:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # of them, found in the prefix cache at its last admission
         self.status = RequestStatus.WAITING
         self.seq_no = next(_seq)  # tie-break for equal arrival times
         self.metrics = RequestMetrics(arrival_time=arrival_time)

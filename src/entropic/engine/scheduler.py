@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from entropic.engine.block_policy import BlockBudget, KVBlockPolicy
+from entropic.engine.block_pool import cdiv
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
@@ -49,6 +50,12 @@ class ScheduledChunk:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a cached context (a prefill chunk of one token counts too;
+        a verify is not one: it is made of decode rows)."""
+        return self.num_tokens == 1 and self.start_pos > 0
 
 
 @dataclass
@@ -134,6 +141,9 @@ class Scheduler:
         self.num_displacements = 0
         self.num_pauses = 0  # preemptions that kept the KV resident (the request resumes)
         self.num_recomputes = 0  # KV dropped (memory needed): recomputed on readmission
+        # prefix cache, in tokens: looked up at admission, and found computed already
+        self.num_cache_queries = 0
+        self.num_cache_hits = 0
         self._finished_since_step: list[str] = []
 
     # ---- queue operations -------------------------------------------------------------
@@ -154,7 +164,7 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(request_id)
+        self.kv.release(request_id)
         self._finished_since_step.append(request_id)
         return req
 
@@ -184,17 +194,20 @@ class Scheduler:
                 break
             if req.request_id in preempted:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
             later = [r for r in queue[i + 1:]
                      if r.status is RequestStatus.RUNNING and r.request_id not in preempted]
             if req.status is RequestStatus.RUNNING:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self._grow(req, n, later, out, preempted):
                     memory_tight = True
                     continue
             else:
                 if memory_tight or admission_closed:
                     continue
-                if not self._admit(req, n, later, out, preempted):
+                hit = self._cached_prefix(req)
+                computed = req.num_computed_tokens + len(hit) * self.kv.block_size
+                n = min(req.num_tokens - computed, budget)
+                if not self._admit(req, n, later, out, preempted, hit):
                     admission_closed = True
                     continue
             req.last_served_step = step
@@ -314,7 +327,8 @@ class Scheduler:
         allows, then taking back the KV of paused requests, else preempting (maybe itself)."""
         need = req.num_computed_tokens + n
         while not self.kv.allocate(req.request_id, need):
-            if self._evict(self._shortfall(req, need)) or self._reclaim_paused(req):
+            if (self._evict(max(1, self.kv.shortfall(req.request_id, need)))
+                    or self._reclaim_paused(req)):
                 continue
             victim = self.policy.choose_victim(later + [req], self.step_count)
             self._preempt(victim, out)
@@ -324,9 +338,25 @@ class Scheduler:
             later.remove(victim)
         return True
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Published blocks a waiting request holding no KV can start on (prefix caching):
+        full blocks only, never the one with its last token (whose logits it samples from).
+        A request that still wants prompt scores (prompt logprobs, or the block policy's
+        prompt surprisal) computes its whole prompt instead."""
+        if (not self.kv.prefix_caching or req.num_computed_tokens
+                or self.kv.block_table(req.request_id)):
+            return []
+        scores = req.prompt_logprobs
+        if scores is not None and len(scores) < req.num_prompt_tokens:
+            return []
+        if self.block_policy is not None and self.block_policy.wants_prompt_surprisal:
+            return []
+        return self.kv.cached_prefix(req.request_id, req.token_ids, req.num_tokens - 1)
+
     def _admit(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
-               preempted: set[str]) -> bool:
-        """Admit a waiting request, displacing lower-ranked running ones if the policy allows.
+               preempted: set[str], hit: list[int]) -> bool:
+        """Admit a waiting request, displacing lower-ranked running ones if the policy
+        allows; `hit`: the cached blocks it starts on.
 
         A request that lost its KV to a preemption comes back only once its whole context
         fits beside one block of growth per running request: readmitted chunk by chunk as
@@ -334,17 +364,18 @@ class Scheduler:
         grew, over and over (14 preemptions for 4 long documents), each time recomputing
         what it had prefilled. The policy may still let it displace a running request
         (an aged one must get in: the aging bound holds)."""
-        need = req.num_computed_tokens + n
+        rid = req.request_id
+        need = req.num_computed_tokens + len(hit) * self.kv.block_size + n
         if (self.running and req.num_computed_tokens == 0 and req.metrics.num_preemptions
-                and self.kv.blocks_needed(req.num_tokens) + len(self.running)
+                and self.kv.blocks_needed(req.num_tokens) - len(hit) + len(self.running)
                 > self.kv.pool.num_free
                 and not any(self.policy.displace(req, v, self.step_count) for v in later)):
-            return False  # (unless the policy lets it displace someone: aging must hold)
-        while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(req.request_id,
-                                                                            need):
-            fits = self.kv.can_fit(req.request_id, need)
+            return False
+        while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(rid, need, hit):
+            fits = self.kv.can_fit(rid, need, hit)
             if (len(self.running) < self.max_num_seqs and not fits
-                    and (self._evict(self._shortfall(req, need)) or self._reclaim_paused(req))):
+                    and (self._evict(max(1, self.kv.shortfall(rid, need, hit)))
+                         or self._reclaim_paused(req))):
                 continue
             if not later:
                 return False
@@ -356,8 +387,13 @@ class Scheduler:
             self._preempt(victim, out, keep_kv=fits)
             preempted.add(victim.request_id)
             later.remove(victim)
-        if not self.kv.allocate(req.request_id, need):
+        if not self.kv.allocate(rid, need, hit):
             return False
+        if self.kv.prefix_caching and not req.num_computed_tokens:
+            self.num_cache_queries += req.num_tokens
+            self.num_cache_hits += len(hit) * self.kv.block_size
+            req.num_computed_tokens = len(hit) * self.kv.block_size
+            req.num_cached_tokens = req.num_computed_tokens
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -365,23 +401,24 @@ class Scheduler:
         req.admitted_step = self.step_count
         return True
 
-    def _shortfall(self, req: Request, num_tokens: int) -> int:
-        """Blocks missing for `req` to hold `num_tokens` tokens."""
-        have = len(self.kv.block_table(req.request_id))
-        return max(1, self.kv.blocks_needed(num_tokens) - have - self.kv.pool.num_free)
-
     def _evict(self, need: int) -> bool:
         """Evict up to `need` blocks the block policy offers; True if any were freed.
         Paused requests are asked first (they hold memory without computing; design
         section 4, global coordination), the running ones only when no paused block is
-        offered: shrinking a paused request comes before recomputing anything."""
+        offered: shrinking a paused request comes before recomputing anything. Blocks
+        shared with another request (prefix cache) are not offered: dropping one frees no
+        memory."""
         if self.block_policy is None:
             return False
         bs = self.kv.block_size
         paused = [r for r in self.waiting if self.kv.num_blocks_held(r.request_id)]
         for group in (paused, self.running):
-            candidates = [(r, [i for i in self.kv.live_indices(r.request_id)
-                               if i < -(-r.num_computed_tokens // bs)]) for r in group]
+            candidates = []
+            for r in group:
+                table = self.kv.block_table(r.request_id)
+                candidates.append((r, [i for i in self.kv.live_indices(r.request_id)
+                                       if i < cdiv(r.num_computed_tokens, bs)
+                                       and not self.kv.is_shared(table[i])]))
             pairs = self.block_policy.evict(candidates, need) if candidates else []
             for rid, index in pairs:
                 self.kv.evict(rid, index)
@@ -443,6 +480,7 @@ class Scheduler:
             decoding = (self.draft_policy is not None and chunk.num_tokens == 1
                         and chunk.start_pos >= req.num_prompt_tokens)
             req.num_computed_tokens += chunk.num_tokens
+            self._publish(req)
             if (chunk.score_targets is not None and prompt_scores
                     and req.prompt_logprobs is not None
                     and len(req.prompt_logprobs) == chunk.start_pos + 1):
@@ -474,10 +512,21 @@ class Scheduler:
             if status is not None:
                 break
         self.draft_policy.commit(req, len(chunk.draft), len(accepted), req.num_new_tokens)
+        self._publish(req)
         if status is not None:
             self.finish(req.request_id, status)
         else:
             self.kv.truncate(req.request_id, req.num_tokens)
+
+    def _publish(self, req: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache. Only KV
+        computed from committed tokens is final (a verify's rejected drafts lie past
+        them). Under a block policy only the prompt's blocks are offered: a decode that
+        attended a subset of its blocks wrote KV that a dense engine would not."""
+        limit = min(req.num_computed_tokens, req.num_tokens)
+        if self.block_policy is not None:
+            limit = min(limit, req.num_prompt_tokens)
+        self.kv.publish(req.request_id, req.token_ids, limit)
 
     @staticmethod
     def _record_prompt(req: Request, chunk: ScheduledChunk, scores: PromptScores) -> None:

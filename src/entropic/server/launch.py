@@ -144,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              kernels=args.kernels,
+              kernels=args.kernels, enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,

@@ -71,6 +71,12 @@ class ServerMetrics:
         self.generated = Counter(p + "generation_tokens", "Generated tokens", registry=r)
         self.prompt = Counter(p + "prompt_tokens", "Prompt tokens of finished requests",
                               registry=r)
+        # vLLM's prefix-cache counters, in tokens (our prefix): hit rate = hits / queries
+        self.cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in "
+                                     "the prefix cache (requests admitted)", registry=r)
+        self.cache_hits = Counter(p + "prefix_cache_hits", "Tokens found in the prefix cache "
+                                  "(their KV shared, not computed)", registry=r)
+        self._cache_seen = (0, 0)  # the engine's (queries, hits) at the last step
         self.finished = Counter(p + "requests_finished", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.aborted = Gauge(p + "requests_aborted", "Requests aborted (client gone) since start",
@@ -127,6 +133,11 @@ class ServerMetrics:
         where a speculative draft was accepted)."""
         now = time.perf_counter()
         self.generated.inc(sum(len(o.new_token_ids) for o in outputs))
+        q = getattr(engine.stats, "prefix_cache_queries", 0)
+        h = getattr(engine.stats, "prefix_cache_hits", 0)
+        self.cache_queries.inc(q - self._cache_seen[0])
+        self.cache_hits.inc(h - self._cache_seen[1])
+        self._cache_seen = (q, h)
         with self._lock:
             for o in outputs:
                 n = len(o.new_token_ids)
