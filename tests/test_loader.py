@@ -137,9 +137,13 @@ def test_hf_dir_config_variants(tmp_path):
     _tiny_hf_dir(tmp_path, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
                  use_sliding_window=True)
     config, _ = read_hf_dir(tmp_path)
-    assert config.rope_theta == 5e5 and config.max_position == 1024  # capped at the window
+    assert config.rope_theta == 5e5 and config.max_position == 4096
+    assert config.sliding_window == 1024 and config.sliding_layers == (0,)  # max_window_layers 0
     _tiny_hf_dir(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="llama3"):
+    with pytest.raises(ValueError, match="llama3 RoPE scaling lacks 'low_freq_factor'"):
+        read_hf_dir(tmp_path)
+    _tiny_hf_dir(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'yarn' is not supported.*linear, llama3"):
         read_hf_dir(tmp_path)
 
 
@@ -151,6 +155,8 @@ def test_hf_dir_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
         load_checkpoint(tmp_path)
     assert str(tmp_path) in str(e.value)
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"):
+        assert arch in str(e.value)  # the message lists what does load
 
 
 # ---------------------------------------------------------------- synthetic GGUFs
