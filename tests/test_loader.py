@@ -234,8 +234,17 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
     put("token_embd.weight", "model.embed_tokens.weight", (260 if tokenizer else 96, HIDDEN), Q.Q8_0)
     put("output_norm.weight", "model.norm.weight", (HIDDEN,))
     heads = {"attn_q": HEADS, "attn_k": KV_HEADS} if arch == "llama" else {}
+    layer = dict(LAYER)
+    if arch in ("qwen3", "gemma3"):
+        layer |= {"attn_q_norm": ("self_attn.q_norm", (HEAD_DIM,), Q.F32),
+                  "attn_k_norm": ("self_attn.k_norm", (HEAD_DIM,), Q.F32)}
+    if arch == "gemma3":  # sandwich norms; ffn_norm is the pre-MLP norm
+        w.add_sliding_window(8)
+        layer |= {"ffn_norm": ("pre_feedforward_layernorm", (HIDDEN,), Q.F32),
+                  "post_attention_norm": ("post_attention_layernorm", (HIDDEN,), Q.F32),
+                  "post_ffw_norm": ("post_feedforward_layernorm", (HIDDEN,), Q.F32)}
     for i in range(LAYERS):
-        for stem, (module, shape, qtype) in LAYER.items():
+        for stem, (module, shape, qtype) in layer.items():
             put(f"blk.{i}.{stem}.weight", f"model.layers.{i}.{module}.weight", shape, qtype,
                 heads.get(stem, 0))
             if arch == "qwen2" and stem in BIASES:
@@ -253,7 +262,7 @@ def _finish(w: GGUFWriter) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_synthetic_gguf_values(tmp_path, arch):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch)
@@ -263,6 +272,10 @@ def test_synthetic_gguf_values(tmp_path, arch):
     assert (config.vocab_size, config.max_position) == (96, 256)
     assert config.rope_theta == 5e4 and config.tie_word_embeddings and config.eos_token_ids == (259,)
     assert config.attention_bias == (arch == "qwen2") and config.name == arch
+    if arch == "gemma3":  # llama.cpp's fixed pattern: all but every 6th layer windowed
+        assert (config.sliding_window, config.sliding_layers) == (8, (0, 1))
+        assert config.local_rope_theta == 1e4
+    assert set(expected_shapes(config)) == set(tensors)
     assert set(tensors) == set(expected)
     for name, (exact, original, qtype) in expected.items():
         got = tensors[name]
