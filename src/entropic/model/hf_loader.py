@@ -56,8 +56,10 @@ def _rope(cfg: dict, path: str, layer_type: str) -> tuple[float, RopeScaling | N
         params = params.get("full_attention") or {}
     local = layer_type == "sliding_attention"
     legacy = {} if local else (cfg.get("rope_scaling") or {})
-    theta = (params.get("rope_theta") or (cfg.get("rope_local_base_freq") if local else None)
-             or cfg.get("rope_theta") or 10000.0)
+    if local:  # Gemma 3's sliding layers: 10000 unless the config says otherwise
+        theta = params.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+    else:
+        theta = params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"{path}: partial rotary embeddings (partial_rotary_factor {partial}) "
