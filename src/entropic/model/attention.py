@@ -90,7 +90,8 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     Decode rows gather just their window's slots, so both decode paths (SDPA and
     `entropic.paged_decode_attention`) serve it unchanged; a prefill chunk drops the prefix
     before its first query's window and masks the band. Windowed rows collect no attention
-    mass (`DecodeGroup.mass`): the block pruner sees full-attention layers only."""
+    mass (`DecodeGroup.mass`): the block pruner sees full-attention layers only. A decode row
+    that attends selected blocks only (pruning) keeps the last `window` of its gathered slots."""
     groups = [_window_decode_group(g, window) for g in meta.decode_groups]
     prefills = [_window_prefill(p, window) for p in meta.prefills]
     return AttentionMetadata(meta.slot_mapping, meta.num_decode, groups, prefills,
