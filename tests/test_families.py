@@ -232,3 +232,34 @@ def test_llama_keeps_its_own_layer(tmp_path):
         assert LlamaModel(ck.config, ck.tensors, torch.float32, kernels="torch").plain_layers == plain
     assert json.loads((tmp_path / "qwen3" / "config.json").read_text())["architectures"] == [
         "Qwen3ForCausalLM"]
+
+
+def test_gemma3_multimodal_checkpoint_loads_text_only(tmp_path, prompts):
+    """Gemma3ForConditionalGeneration (the 4B+ checkpoints): its language model alone, the
+    vision tower skipped; logits as transformers' on text."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                              SiglipVisionConfig)
+
+    from entropic import LLM
+
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=8,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254)).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(tmp_path)
+    save_word_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kernels="torch", max_num_batched_tokens=16,
+              kv_cache_gib=0.01)
+    c = llm.engine.model.config
+    assert c.name == "gemma3" and c.rope_scaling.kind == "linear" and c.sliding_layers == (0, 1)
+    worst = compare_with_reference(lambda ids: model(input_ids=ids), prompts,
+                                   run_capturing_logits(llm, prompts))
+    assert worst <= REL_TOL

@@ -11,6 +11,13 @@ from entropic.model.family import HF_ARCHITECTURES, Family
 
 # HF architecture class -> our family (ModelConfig.name); see entropic.model.family.
 SUPPORTED_HF_ARCHS = {arch: fam.name for arch, fam in HF_ARCHITECTURES.items()}
+# Multimodal checkpoints whose language model is a family we run, loaded text-only: the
+# decoder's config is their text_config and its weights sit under one of these prefixes (old
+# and new transformers layouts); the vision tower and projector are skipped.
+TEXT_ONLY_HF_ARCHS = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM",
+                                       ("language_model.model.", "model.language_model.")),
+}
 # config.json activation names -> ours
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -122,7 +129,7 @@ def config_from_hf(cfg: dict, tensors: dict[str, torch.Tensor], folder: str) -> 
     arch = next((a for a in archs if a in HF_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r} "
-                         f"(supported: {', '.join(HF_ARCHITECTURES)})")
+                         f"(supported: {', '.join([*HF_ARCHITECTURES, *TEXT_ONLY_HF_ARCHS])})")
     fam = HF_ARCHITECTURES[arch]
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or fam.activation
     if _ACTIVATIONS.get(act) != fam.activation:
@@ -213,17 +220,43 @@ def _weight_files(folder: str) -> list[str]:
     )
 
 
+def _text_only(cfg: dict):
+    """For a multimodal checkpoint in TEXT_ONLY_HF_ARCHS: rewrite `cfg` in place as its
+    language model's and return the tensor renaming (None: not loaded); else the identity."""
+    archs = cfg.get("architectures") or []
+    wrapper = next((a for a in archs if a in TEXT_ONLY_HF_ARCHS), None)
+    if wrapper is None or any(a in HF_ARCHITECTURES for a in archs):
+        return lambda name: name
+    text_arch, prefixes = TEXT_ONLY_HF_ARCHS[wrapper]
+    text = cfg.get("text_config") or {}
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    cfg.clear()
+    cfg.update(text, architectures=[text_arch])
+    if tied is not None:
+        cfg["tie_word_embeddings"] = tied
+
+    def rename(name: str) -> str | None:
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                return "model." + name[len(prefix):]
+        return "lm_head.weight" if name.endswith("lm_head.weight") else None
+
+    return rename
+
+
 def read_hf_dir(folder: str, *, progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face model directory: (ModelConfig, HF-named float32 tensors).
 
     With tied embeddings any saved `lm_head.weight` is dropped (it equals the embedding).
     Fused projections (Phi-3) come back split into the Llama names, and Gemma's norm
-    weights w as 1 + w, so every family's tensors have the same meaning.
+    weights w as 1 + w, so every family's tensors have the same meaning. Multimodal
+    checkpoints in TEXT_ONLY_HF_ARCHS load as their language model alone.
     """
     from safetensors.torch import load_file
 
     folder = os.fspath(folder)
     cfg = _read_json(os.path.join(folder, "config.json"))
+    rename = _text_only(cfg)
     files = _weight_files(folder)
     if progress:
         from tqdm import tqdm
@@ -235,8 +268,9 @@ def read_hf_dir(folder: str, *, progress: bool = False) -> tuple[ModelConfig, di
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ValueError(f"{file}: cannot read safetensors ({e})") from e
         for name, t in shard.items():
-            if not name.endswith("rotary_emb.inv_freq"):  # old saves carry the RoPE buffer
-                tensors[name] = t.to(torch.float32)
+            name = rename(name)
+            if name is not None and not name.endswith("rotary_emb.inv_freq"):
+                tensors[name] = t.to(torch.float32)  # (old saves carry the RoPE buffer)
     config = config_from_hf(cfg, tensors, folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
