@@ -5,6 +5,7 @@ import copy
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -201,7 +202,8 @@ def _add_tokenizer(w: GGUFWriter) -> None:
                         "<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}")
 
 
-def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=False) -> dict:
+def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=None,
+                    rope_scaling=None) -> dict:
     """A 2-layer model; returns {hf name: (exact expected tensor, unquantized original, type)}."""
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), arch)
@@ -214,6 +216,9 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
     w.add_rope_freq_base(5e4)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_eos_token_id(259)
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        w.add_rope_scaling_factor(4.0)
     if tokenizer:
         _add_tokenizer(w)
     expected = {}
@@ -249,8 +254,8 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
                 heads.get(stem, 0))
             if arch == "qwen2" and stem in BIASES:
                 put(f"blk.{i}.{stem}.bias", f"model.layers.{i}.{module}.bias", BIASES[stem])
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.ones(HEAD_DIM // 2, np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     _finish(w)
     return expected
 
@@ -363,9 +368,30 @@ def test_error_missing_tensor(tmp_path):
 
 
 def test_error_rope_scaling(tmp_path):
-    path = tmp_path / "llama31.gguf"
-    write_tiny_gguf(path, rope_freqs=True)
-    _raises(path, ValueError, "RoPE scaling")
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, rope_scaling="yarn")
+    _raises(path, ValueError, "RoPE scaling \\(yarn\\) is not supported")
+
+
+def test_gguf_rope_freqs_are_llama3_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1's scaling as a divisor per frequency (rope_freqs): loaded,
+    it rotates as the llama3 rule computed from the HF config does."""
+    from entropic.config import RopeScaling
+    from entropic.model.llama import RotaryEmbedding, scaled_frequencies
+
+    llama3 = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    plain = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu")
+    ref = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu", llama3)
+    inv = 1.0 / (5e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    factors = (inv / scaled_frequencies(inv, llama3)).numpy()
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    write_tiny_gguf(tmp_path / "llama31.gguf", rope_freqs=factors)
+    config, tensors = read_gguf_tensors(tmp_path / "llama31.gguf")
+    assert config.rope_scaling.kind == "freq_factors" and "rope_freqs.weight" not in tensors
+    got = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu", config.rope_scaling)
+    assert torch.allclose(got.cos, ref.cos, atol=1e-5)
+    assert torch.allclose(got.sin_signed, ref.sin_signed, atol=1e-5)
+    assert not torch.allclose(got.cos, plain.cos, atol=1e-2)
 
 
 def test_error_no_tokenizer_metadata(tmp_path):

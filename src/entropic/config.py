@@ -81,15 +81,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 class RopeScaling:
     """A RoPE frequency scaling (`rope_type` in a Hugging Face config): "linear" divides
     every frequency by `factor`; "llama3" divides the low frequencies by `factor`, keeps the
-    high ones and interpolates between (Llama 3.1)."""
+    high ones and interpolates between (Llama 3.1); "freq_factors" divides frequency i by
+    `freq_factors[i]` (llama.cpp's `rope_freqs` tensor, how its GGUFs store llama3's)."""
 
     kind: str
-    factor: float
+    factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only
+    freq_factors: tuple[float, ...] = ()  # freq_factors only, one per frequency
 
-    KINDS = ("linear", "llama3")
+    KINDS = ("linear", "llama3", "freq_factors")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:

@@ -7,6 +7,7 @@ still decoded by `gguf.quants.dequantize`, so every quantization type gguf-py kn
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import os
@@ -260,10 +261,10 @@ def _config(meta: dict, tensors: dict[str, GGUFTensorInfo], path: str) -> ModelC
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or "rope_freqs.weight" in tensors:
-        # Llama 3.1-style or yarn scaling would silently give wrong logits if ignored.
-        raise ValueError(f"{path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) "
-                         "is not supported (supported: linear, or none)")
+    if scaling not in ("none", "linear"):
+        # yarn scaling would silently give wrong logits if ignored.
+        raise ValueError(f"{path}: RoPE scaling ({scaling}) is not supported "
+                         "(supported: linear, rope_freqs, or none)")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
     fam = GGUF_ARCHITECTURES[arch]
@@ -335,6 +336,13 @@ def read_gguf_tensors(path: str, *, progress: bool = False, keep_int4: bool = Fa
     buf = _open(path)
     meta, infos = _parse(buf, path, ())
     config = _config(meta, infos, path)
+    freqs = infos.pop("rope_freqs.weight", None)
+    if freqs is not None:  # Llama 3.1/3.2: llama3 scaling as a divisor per frequency
+        if config.rope_scaling is not None:
+            raise ValueError(f"{path}: both rope_freqs and a RoPE scaling type")
+        factors = tuple(float(f) for f in _dequantize(buf, freqs, path).reshape(-1))
+        config = dataclasses.replace(config, rope_scaling=RopeScaling("freq_factors",
+                                                                      freq_factors=factors))
     fam = config.family
     unknown = [n for n in infos if _hf_name(n, fam) is None]
     if unknown:

@@ -64,12 +64,18 @@ class RotaryEmbedding:
 
 def scaled_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     """RoPE frequencies under a scaling. "linear" divides them all by the factor (position
-    interpolation). "llama3" (Llama 3.1): wavelengths longer than original_max_position /
+    interpolation), "freq_factors" each by its own. "llama3" (Llama 3.1): wavelengths longer than original_max_position /
     low_freq_factor are divided by the factor, shorter than original_max_position /
     high_freq_factor kept, and those between interpolated linearly in
     original_max_position / wavelength."""
     if s.kind == "linear":
         return inv_freq / s.factor
+    if s.kind == "freq_factors":
+        if len(s.freq_factors) != inv_freq.numel():
+            raise ValueError(f"RoPE has {inv_freq.numel()} frequencies, rope_freqs "
+                             f"{len(s.freq_factors)} factors")
+        return inv_freq / torch.tensor(s.freq_factors, dtype=inv_freq.dtype,
+                                       device=inv_freq.device)
     wavelen = 2 * math.pi / inv_freq
     ratio = s.original_max_position / wavelen  # periods over the original context
     smooth = ((ratio - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1)
