@@ -5,6 +5,7 @@ import copy
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -137,9 +138,13 @@ def test_hf_dir_config_variants(tmp_path):
     _tiny_hf_dir(tmp_path, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
                  use_sliding_window=True)
     config, _ = read_hf_dir(tmp_path)
-    assert config.rope_theta == 5e5 and config.max_position == 1024  # capped at the window
+    assert config.rope_theta == 5e5 and config.max_position == 4096
+    assert config.sliding_window == 1024 and config.sliding_layers == (0,)  # max_window_layers 0
     _tiny_hf_dir(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="llama3"):
+    with pytest.raises(ValueError, match="llama3 RoPE scaling lacks 'low_freq_factor'"):
+        read_hf_dir(tmp_path)
+    _tiny_hf_dir(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'yarn' is not supported.*linear, llama3"):
         read_hf_dir(tmp_path)
 
 
@@ -151,6 +156,8 @@ def test_hf_dir_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
         load_checkpoint(tmp_path)
     assert str(tmp_path) in str(e.value)
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM"):
+        assert arch in str(e.value)  # the message lists what does load
 
 
 # ---------------------------------------------------------------- synthetic GGUFs
@@ -195,7 +202,8 @@ def _add_tokenizer(w: GGUFWriter) -> None:
                         "<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}")
 
 
-def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=False) -> dict:
+def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=None,
+                    rope_scaling=None) -> dict:
     """A 2-layer model; returns {hf name: (exact expected tensor, unquantized original, type)}."""
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), arch)
@@ -208,6 +216,9 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
     w.add_rope_freq_base(5e4)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_eos_token_id(259)
+    if rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        w.add_rope_scaling_factor(4.0)
     if tokenizer:
         _add_tokenizer(w)
     expected = {}
@@ -228,14 +239,23 @@ def write_tiny_gguf(path, arch="llama", *, tokenizer=False, drop=(), rope_freqs=
     put("token_embd.weight", "model.embed_tokens.weight", (260 if tokenizer else 96, HIDDEN), Q.Q8_0)
     put("output_norm.weight", "model.norm.weight", (HIDDEN,))
     heads = {"attn_q": HEADS, "attn_k": KV_HEADS} if arch == "llama" else {}
+    layer = dict(LAYER)
+    if arch in ("qwen3", "gemma3"):
+        layer |= {"attn_q_norm": ("self_attn.q_norm", (HEAD_DIM,), Q.F32),
+                  "attn_k_norm": ("self_attn.k_norm", (HEAD_DIM,), Q.F32)}
+    if arch == "gemma3":  # sandwich norms; ffn_norm is the pre-MLP norm
+        w.add_sliding_window(8)
+        layer |= {"ffn_norm": ("pre_feedforward_layernorm", (HIDDEN,), Q.F32),
+                  "post_attention_norm": ("post_attention_layernorm", (HIDDEN,), Q.F32),
+                  "post_ffw_norm": ("post_feedforward_layernorm", (HIDDEN,), Q.F32)}
     for i in range(LAYERS):
-        for stem, (module, shape, qtype) in LAYER.items():
+        for stem, (module, shape, qtype) in layer.items():
             put(f"blk.{i}.{stem}.weight", f"model.layers.{i}.{module}.weight", shape, qtype,
                 heads.get(stem, 0))
             if arch == "qwen2" and stem in BIASES:
                 put(f"blk.{i}.{stem}.bias", f"model.layers.{i}.{module}.bias", BIASES[stem])
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.ones(HEAD_DIM // 2, np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     _finish(w)
     return expected
 
@@ -247,7 +267,7 @@ def _finish(w: GGUFWriter) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_synthetic_gguf_values(tmp_path, arch):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, arch)
@@ -257,6 +277,10 @@ def test_synthetic_gguf_values(tmp_path, arch):
     assert (config.vocab_size, config.max_position) == (96, 256)
     assert config.rope_theta == 5e4 and config.tie_word_embeddings and config.eos_token_ids == (259,)
     assert config.attention_bias == (arch == "qwen2") and config.name == arch
+    if arch == "gemma3":  # llama.cpp's fixed pattern: all but every 6th layer windowed
+        assert (config.sliding_window, config.sliding_layers) == (8, (0, 1))
+        assert config.local_rope_theta == 1e4
+    assert set(expected_shapes(config)) == set(tensors)
     assert set(tensors) == set(expected)
     for name, (exact, original, qtype) in expected.items():
         got = tensors[name]
@@ -344,9 +368,30 @@ def test_error_missing_tensor(tmp_path):
 
 
 def test_error_rope_scaling(tmp_path):
-    path = tmp_path / "llama31.gguf"
-    write_tiny_gguf(path, rope_freqs=True)
-    _raises(path, ValueError, "RoPE scaling")
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, rope_scaling="yarn")
+    _raises(path, ValueError, "RoPE scaling \\(yarn\\) is not supported")
+
+
+def test_gguf_rope_freqs_are_llama3_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1's scaling as a divisor per frequency (rope_freqs): loaded,
+    it rotates as the llama3 rule computed from the HF config does."""
+    from entropic.config import RopeScaling
+    from entropic.model.llama import RotaryEmbedding, scaled_frequencies
+
+    llama3 = RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    plain = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu")
+    ref = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu", llama3)
+    inv = 1.0 / (5e4 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    factors = (inv / scaled_frequencies(inv, llama3)).numpy()
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    write_tiny_gguf(tmp_path / "llama31.gguf", rope_freqs=factors)
+    config, tensors = read_gguf_tensors(tmp_path / "llama31.gguf")
+    assert config.rope_scaling.kind == "freq_factors" and "rope_freqs.weight" not in tensors
+    got = RotaryEmbedding(HEAD_DIM, 256, 5e4, torch.float32, "cpu", config.rope_scaling)
+    assert torch.allclose(got.cos, ref.cos, atol=1e-5)
+    assert torch.allclose(got.sin_signed, ref.sin_signed, atol=1e-5)
+    assert not torch.allclose(got.cos, plain.cos, atol=1e-2)
 
 
 def test_error_no_tokenizer_metadata(tmp_path):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from entropic.model.family import Family, family
+
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -76,8 +78,36 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling (`rope_type` in a Hugging Face config): "linear" divides
+    every frequency by `factor`; "llama3" divides the low frequencies by `factor`, keeps the
+    high ones and interpolates between (Llama 3.1); "freq_factors" divides frequency i by
+    `freq_factors[i]` (llama.cpp's `rope_freqs` tensor, how its GGUFs store llama3's)."""
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+    freq_factors: tuple[float, ...] = ()  # freq_factors only, one per frequency
+
+    KINDS = ("linear", "llama3", "freq_factors")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"RoPE scaling type {self.kind!r} is not supported "
+                             f"(supported: {', '.join(self.KINDS)}, or none)")
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("llama3 RoPE scaling needs high_freq_factor > low_freq_factor")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2)."""
+    """Architecture of a Llama-family decoder. `name` is its family (`entropic.model.family`:
+    llama, mistral, qwen2, qwen3, phi3, gemma3), whose fixed traits `family` returns; the
+    fields below are one checkpoint's numbers."""
 
     vocab_size: int
     hidden_size: int
@@ -94,6 +124,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    # Layers in `sliding_layers` attend to the last `sliding_window` positions only (their
+    # own included); the others to the whole context.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, if their own
+    query_scale: float | None = None  # attention scale; None: 1 / sqrt(head_dim)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -105,6 +143,18 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        family(self.name)  # a clear error for an unknown family
+        if self.sliding_layers:
+            if not self.sliding_window or self.sliding_window <= 0:
+                raise ValueError("model config: sliding_layers need a positive sliding_window")
+            if not all(0 <= i < self.num_layers for i in self.sliding_layers):
+                raise ValueError(f"model config: sliding_layers {self.sliding_layers} out of "
+                                 f"range for {self.num_layers} layers")
+
+    @property
+    def family(self) -> Family:
+        """The fixed traits of this model's architecture."""
+        return family(self.name)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -121,6 +121,54 @@ class KVCache:
         return self.kv.numel() * self.kv.element_size()
 
 
+def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The same step for layers that see only the last `window` positions (their own
+    included: a query at p attends to keys at p - window + 1 .. p).
+
+    Decode rows gather just their window's slots, so both decode paths (SDPA and
+    `entropic.paged_decode_attention`) serve it unchanged; a prefill chunk drops the prefix
+    before its first query's window and masks the band. Windowed rows collect no attention
+    mass (`DecodeGroup.mass`): the block pruner sees full-attention layers only. A decode row
+    that attends selected blocks only (pruning) keeps the last `window` of its gathered slots."""
+    groups = [_window_decode_group(g, window) for g in meta.decode_groups]
+    prefills = [_window_prefill(p, window) for p in meta.prefills]
+    return AttentionMetadata(meta.slot_mapping, meta.num_decode, groups, prefills,
+                             meta.decode_order, meta.decode_restore)
+
+
+def _window_decode_group(g: DecodeGroup, window: int) -> DecodeGroup:
+    if g.ctx <= window:
+        return g if g.mass is None else DecodeGroup(g.start, g.end, g.ctx, g.slots, g.mask,
+                                                    None, g.lengths)
+    n = g.end - g.start
+    dev = g.slots.device
+    lengths = (g.lengths if g.lengths is not None
+               else torch.full((n,), g.ctx, dtype=torch.long, device=dev))
+    kept = lengths.clamp(max=window)
+    ctx = int(kept.max())
+    # row r keeps positions lengths[r] - kept[r] .. lengths[r] - 1; padding columns read
+    # positions below lengths[r] too, so every index stays inside the row
+    cols = (lengths - kept)[:, None] + torch.arange(ctx, device=dev)
+    slots = g.slots.view(n, g.ctx).gather(1, cols)
+    lens = mask = None
+    if int(kept.min()) < ctx:
+        lens = kept
+        mask = (torch.arange(ctx, device=dev) < kept[:, None])[:, None, None, :]
+    return DecodeGroup(g.start, g.end, ctx, slots.reshape(-1), mask, None, lens)
+
+
+def _window_prefill(p: PrefillChunk, window: int) -> PrefillChunk:
+    end = p.start + p.q_len
+    if end <= window:  # no query is farther than the window from any of its keys
+        return p
+    first = max(0, p.start - window + 1)  # the first query's first key
+    dev = p.slots.device
+    q_pos = torch.arange(p.start, end, device=dev)[:, None]
+    k_pos = torch.arange(first, end, device=dev)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return PrefillChunk(p.token_offset, p.q_len, p.start - first, p.slots[first:], mask)
+
+
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, native: bool = False,
                     native_prefill: bool = False) -> torch.Tensor:

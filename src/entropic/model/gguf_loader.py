@@ -7,6 +7,7 @@ still decoded by `gguf.quants.dequantize`, so every quantization type gguf-py kn
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import os
@@ -20,10 +21,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from entropic.config import ModelConfig
+from entropic.config import ModelConfig, RopeScaling
+from entropic.model.family import GGUF_ARCHITECTURES, Family
 from entropic.model.quant import Int4Blocks, int4_from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = tuple(GGUF_ARCHITECTURES)
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 
@@ -43,7 +45,20 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Families with sandwich norms (Gemma 3): ffn_norm is the pre-MLP norm, and the attention
+# and MLP outputs have their own.
+_SANDWICH_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp fixes for Gemma 3 rather than writing it into the file: every 6th layer
+# attends globally, the sliding layers rotate with base 10000.
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -207,13 +222,14 @@ def read_gguf_metadata(path: str, string_arrays: Container[str] = ()):
     return _parse(_open(path), path, string_arrays)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, fam: Family | None = None) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    names = _SANDWICH_NAMES if fam is not None and fam.sandwich_norms else _LAYER_NAMES
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return None
 
 
@@ -245,18 +261,25 @@ def _config(meta: dict, tensors: dict[str, GGUFTensorInfo], path: str) -> ModelC
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings are not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensors:
-        # Llama 3.1-style or linear/yarn scaling would silently give wrong logits if ignored.
-        raise ValueError(f"{path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}) "
-                         "is not supported")
+    if scaling not in ("none", "linear"):
+        # yarn scaling would silently give wrong logits if ignored.
+        raise ValueError(f"{path}: RoPE scaling ({scaling}) is not supported "
+                         "(supported: linear, rope_freqs, or none)")
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: GGUF has no token_embd.weight tensor")
+    fam = GGUF_ARCHITECTURES[arch]
+    layers = int(get("block_count"))
+    window, sliding, local_theta = None, (), None
+    if fam.local_rope:  # Gemma 3
+        window = int(get("attention.sliding_window"))
+        sliding = tuple(i for i in range(layers) if (i + 1) % _GEMMA3_PATTERN)
+        local_theta = _GEMMA3_LOCAL_THETA
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -267,7 +290,12 @@ def _config(meta: dict, tensors: dict[str, GGUFTensorInfo], path: str) -> ModelC
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-        name=arch,
+        name=fam.name,
+        rope_scaling=(RopeScaling("linear", float(get("rope.scaling.factor")))
+                      if scaling == "linear" else None),
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=local_theta,
     )
 
 
@@ -299,7 +327,8 @@ def read_gguf_tensors(path: str, *, progress: bool = False, keep_int4: bool = Fa
     """Read a GGUF file's architecture and weights: (ModelConfig, HF-named float32 tensors).
 
     Q and K projections are un-permuted back to the Hugging Face rotary layout for `llama`
-    (qwen2 files are not permuted by the converter). No tokenizer metadata is needed.
+    (the converter permutes no other family). Gemma's norm weights are stored as 1 + w
+    already, the form our model uses. No tokenizer metadata is needed.
     `keep_int4=True` returns 2-D Q4_0 / Q4_1 tensors as their 4-bit codes (`Int4Blocks`)
     instead of dequantizing them.
     """
@@ -307,7 +336,15 @@ def read_gguf_tensors(path: str, *, progress: bool = False, keep_int4: bool = Fa
     buf = _open(path)
     meta, infos = _parse(buf, path, ())
     config = _config(meta, infos, path)
-    unknown = [n for n in infos if _hf_name(n) is None]
+    freqs = infos.pop("rope_freqs.weight", None)
+    if freqs is not None:  # Llama 3.1/3.2: llama3 scaling as a divisor per frequency
+        if config.rope_scaling is not None:
+            raise ValueError(f"{path}: both rope_freqs and a RoPE scaling type")
+        factors = tuple(float(f) for f in _dequantize(buf, freqs, path).reshape(-1))
+        config = dataclasses.replace(config, rope_scaling=RopeScaling("freq_factors",
+                                                                      freq_factors=factors))
+    fam = config.family
+    unknown = [n for n in infos if _hf_name(n, fam) is None]
     if unknown:
         raise ValueError(f"{path}: unexpected GGUF tensors {unknown[:5]} for a {config.name} model")
     items = list(infos.values())
@@ -323,5 +360,5 @@ def read_gguf_tensors(path: str, *, progress: bool = False, keep_int4: bool = Fa
             heads = config.num_heads if stem == "attn_q" else config.num_kv_heads
             w = (w.permute_rows(functools.partial(unpermute_rope, n_head=heads)) if blocks
                  else unpermute_rope(w, heads))
-        tensors[_hf_name(info.name)] = w
+        tensors[_hf_name(info.name, fam)] = w
     return config, tensors

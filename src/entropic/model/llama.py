@@ -1,7 +1,9 @@
-"""Our own Llama-family forward (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Our own Llama-family forward over a paged KV cache: Llama, SmolLM2, Mistral, Qwen2,
+Qwen3, Phi-3 and Gemma 3 (what each family changes: `entropic.model.family`).
 
-GQA, RoPE (HF "rotate half" layout), RMSNorm, SwiGLU, optional tied embeddings and q/k/v
-bias. Q, K and V projections are fused into one matrix, gate and up into another.
+GQA, RoPE (HF "rotate half" layout, optionally scaled), RMSNorm, SwiGLU or GeGLU, optional
+tied embeddings, q/k/v bias, q/k norms, sandwich norms and sliding-window layers. Q, K and V
+projections are fused into one matrix, gate and up into another.
 """
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from entropic import kernels as native
-from entropic.config import ModelConfig
+from entropic.config import ModelConfig, RopeScaling
 from entropic.model.attention import (AttentionMetadata, KVCache, native_prefill_supported,
-                                      paged_attention)
+                                      paged_attention, window_metadata)
 from entropic.model.linear import (Int8Linear, Linear, NativeInt8Linear, check_quantization,
                                    make_linear, native_int4_available)
 from entropic.model.quant import Int4Blocks
@@ -36,9 +38,11 @@ class RotaryEmbedding:
     and the rotation costs one copy instead of a negation and a concatenation."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, scaling: RopeScaling | None = None) -> None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
                                                  device=device).float() / head_dim))
+        if scaling is not None:
+            inv_freq = scaled_frequencies(inv_freq, scaling)
         t = torch.arange(max_position, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -58,6 +62,26 @@ class RotaryEmbedding:
         torch.add(x * cos, rotated, out=x)
 
 
+def scaled_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """RoPE frequencies under a scaling. "linear" divides them all by the factor (position
+    interpolation), "freq_factors" each by its own. "llama3" (Llama 3.1): wavelengths longer than original_max_position /
+    low_freq_factor are divided by the factor, shorter than original_max_position /
+    high_freq_factor kept, and those between interpolated linearly in
+    original_max_position / wavelength."""
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    if s.kind == "freq_factors":
+        if len(s.freq_factors) != inv_freq.numel():
+            raise ValueError(f"RoPE has {inv_freq.numel()} frequencies, rope_freqs "
+                             f"{len(s.freq_factors)} factors")
+        return inv_freq / torch.tensor(s.freq_factors, dtype=inv_freq.dtype,
+                                       device=inv_freq.device)
+    wavelen = 2 * math.pi / inv_freq
+    ratio = s.original_max_position / wavelen  # periods over the original context
+    smooth = ((ratio - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1)
+    return (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+
+
 def _take(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
           dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor in the run dtype on the run device, with a clear error if missing."""
@@ -72,18 +96,29 @@ def _take(tensors: dict[str, torch.Tensor], name: str, device: torch.device,
 
 @dataclass
 class DecoderLayer:
-    """One decoder layer's weights: norms as tensors, projections as prepared `Linear`s."""
+    """One decoder layer's weights: norms as tensors, projections as prepared `Linear`s.
+    The optional norms are those of families that have them (`Family.qk_norm`,
+    `Family.sandwich_norms`); `window` is the layer's sliding window (None: full context)
+    and `rope` the index of its RoPE tables in `LlamaModel.ropes`."""
 
     in_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # before the MLP
     qkv: Linear  # q, k, v fused (with Qwen2's bias)
     o: Linear
     gate_up: Linear  # gate and up fused
     down: Linear
+    q_norm: torch.Tensor | None = None  # over each head, before RoPE
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # on the attention output, before the residual
+    mlp_out_norm: torch.Tensor | None = None  # on the MLP output, before the residual
+    window: int | None = None
+    rope: int = 0
 
     @property
     def numel(self) -> int:
-        return (self.in_norm.numel() + self.post_norm.numel() + self.qkv.numel + self.o.numel
+        norms = (self.in_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
+                 self.mlp_out_norm)
+        return (sum(n.numel() for n in norms if n is not None) + self.qkv.numel + self.o.numel
                 + self.gate_up.numel + self.down.numel)
 
 
@@ -144,16 +179,33 @@ class LlamaModel:
         else:
             self.lm_head = make_linear(head, packed=packed_linears)
         self.norm = take("model.norm.weight")
-        self.layers = [self._decoder_layer(take, f"model.layers.{i}.", packed_linears)
-                       for i in range(c.num_layers)]
+        self.family = fam = c.family
+        self.layers = [self._decoder_layer(take, i, packed_linears) for i in range(c.num_layers)]
         del self._raw  # the checkpoint's tensors are not kept past construction
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, dtype, self.device)
-        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.ropes = [RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, dtype,
+                                      self.device, c.rope_scaling)]
+        if c.local_rope_theta is not None:
+            self.ropes.append(RotaryEmbedding(c.head_dim, c.max_position, c.local_rope_theta,
+                                              dtype, self.device))
+        self.rope = self.ropes[0]
+        self.scale = c.query_scale if c.query_scale is not None else 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
+        # chosen once: the layer function and the few per-family ops
+        self.windows = sorted({w.window for w in self.layers if w.window is not None})
+        self.plain_layers = fam.plain and not self.windows  # Llama's own layer, `_layer`
+        self.embed_scale = (torch.tensor(math.sqrt(c.hidden_size), dtype=dtype, device=self.device)
+                            if fam.scaled_embedding else None)
+        native_ops = kernels == "native"
+        self._norm = torch.ops.entropic.rms_norm if native_ops else rms_norm
+        if fam.activation == "silu":
+            self._act_mul = torch.ops.entropic.silu_mul if native_ops else _silu_mul
+        else:
+            self._act_mul = _gelu_tanh_mul
 
-    def _decoder_layer(self, take, prefix: str, packed: bool) -> DecoderLayer:
+    def _decoder_layer(self, take, index: int, packed: bool) -> DecoderLayer:
         """One layer's weights, q/k/v and gate/up fused into single matrices."""
+        prefix, c, fam = f"model.layers.{index}.", self.config, self.config.family
 
         def linear(*names: str, bias: bool = False) -> Linear:
             b = torch.cat([take(prefix + n + ".bias") for n in names]) if bias else None
@@ -166,14 +218,29 @@ class LlamaModel:
             return make_linear(weight, b, packed=packed, quantization=self.quantization,
                                native_int4=native_int4)
 
-        return DecoderLayer(
-            in_norm=take(prefix + "input_layernorm.weight"),
-            post_norm=take(prefix + "post_attention_layernorm.weight"),
-            qkv=linear(*(f"self_attn.{n}_proj" for n in "qkv"), bias=self.config.attention_bias),
+        def norm(name: str) -> torch.Tensor:
+            return take(prefix + name + ".weight")
+
+        sliding = index in c.sliding_layers
+        layer = DecoderLayer(
+            in_norm=norm("input_layernorm"),
+            # Gemma's post_attention_layernorm is on the attention output (sandwich), its
+            # pre-MLP norm is pre_feedforward_layernorm
+            post_norm=norm("pre_feedforward_layernorm" if fam.sandwich_norms
+                           else "post_attention_layernorm"),
+            qkv=linear(*(f"self_attn.{n}_proj" for n in "qkv"), bias=c.attention_bias),
             o=linear("self_attn.o_proj"),
             gate_up=linear("mlp.gate_proj", "mlp.up_proj"),
             down=linear("mlp.down_proj"),
+            window=c.sliding_window if sliding else None,
+            rope=1 if sliding and c.local_rope_theta is not None else 0,
         )
+        if fam.qk_norm:
+            layer.q_norm, layer.k_norm = norm("self_attn.q_norm"), norm("self_attn.k_norm")
+        if fam.sandwich_norms:
+            layer.attn_out_norm = norm("post_attention_layernorm")
+            layer.mlp_out_norm = norm("post_feedforward_layernorm")
+        return layer
 
     @property
     def num_parameters(self) -> int:
@@ -193,15 +260,29 @@ class LlamaModel:
                 kv: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns fp32 logits for the rows in logits_indices."""
         x = F.embedding(input_ids, self.embed)
-        rope = self.rope.tables(positions)
-        for i, layer in enumerate(self.layers):
-            x = self._layer(layer, x, rope, meta, kv.kv[i])
+        if self.embed_scale is not None:
+            x *= self.embed_scale
+        if self.plain_layers:
+            rope = self.rope.tables(positions)
+            for i, layer in enumerate(self.layers):
+                x = self._layer(layer, x, rope, meta, kv.kv[i])
+        else:
+            # built once per step for all layers: each RoPE's tables, each window's metadata
+            ropes = [r.tables(positions) for r in self.ropes]
+            metas = {None: meta} | {w: window_metadata(meta, w) for w in self.windows}
+            for i, layer in enumerate(self.layers):
+                x = self._layer_general(layer, x, ropes[layer.rope], metas[layer.window],
+                                        kv.kv[i])
         x = x[logits_indices]
         if self.kernels == "native":
             x = torch.ops.entropic.rms_norm(x, self.norm, self.config.rms_norm_eps)
         else:
             x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def _layer(self, w: DecoderLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -231,3 +312,45 @@ class LlamaModel:
         gate, up = w.gate_up(rms_norm(x, w.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         x += w.down(F.silu(gate).mul_(up))
         return x
+
+    def _layer_general(self, w: DecoderLayer, x: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
+        """One decoder layer of any family (q/k norms, sandwich norms, GeGLU, a sliding
+        window); updates x in place. `meta` is already this layer's window's."""
+        c, eps, norm = self.config, self.config.rms_norm_eps, self._norm
+        T = x.shape[0]
+        native = self.kernels == "native"
+        qkv = w.qkv(norm(x, w.in_norm, eps))
+        if w.q_norm is not None:  # per head, in place in the qkv buffer, before RoPE
+            q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, c.num_kv_heads, c.head_dim)
+            q.copy_(rms_norm(q, w.q_norm, eps))
+            k.copy_(rms_norm(k, w.k_norm, eps))
+        if native:
+            torch.ops.entropic.rope_kv_(qkv, rope[0], rope[1], kv_cache, meta.slot_mapping,
+                                        c.num_heads, c.num_kv_heads)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads,
+                                                          c.head_dim)
+            self.rope.apply_(qk, *rope)
+        q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)
+        new_kv = qkv[:, self.q_size:].view(T, 2, c.num_kv_heads, c.head_dim)
+        # entropic's prefill kernel is causal over the whole prefix: windowed layers use SDPA
+        h = w.o(paged_attention(q, new_kv, kv_cache, meta, self.scale, native=native,
+                                native_prefill=self.native_prefill and w.window is None))
+        x += h if w.attn_out_norm is None else norm(h, w.attn_out_norm, eps)
+        h = w.down(self._act_mul(w.gate_up(norm(x, w.post_norm, eps))))
+        x += h if w.mlp_out_norm is None else norm(h, w.mlp_out_norm, eps)
+        return x
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def _gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)

@@ -49,7 +49,8 @@ def default_model_path() -> str:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a model with this config must have, and its HF shape."""
+    """Every tensor a model with this config must have, and its HF shape (Llama names;
+    Phi-3's fused projections are split by the loader)."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, h),
@@ -70,6 +71,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         })
+        if config.family.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+        if config.family.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if config.attention_bias:
             shapes.update({
                 p + "self_attn.q_proj.bias": (q,),

@@ -119,7 +119,8 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat prompt as text. Raises ValueError on a missing template or bad messages."""
         if not self.chat_template:
-            raise ValueError(f"{self.source or 'tokenizer'}: the model has no chat template")
+            raise ValueError(f"{self.source or 'tokenizer'}: the model has no chat template "
+                             "(a base model?); give it raw text prompts (generate) instead")
         _check_messages(messages)
         return self._tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
