@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from entropic.sampling_params import SamplingParams
+from engine_probe import run_capturing_logits as capture
 
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -95,18 +96,8 @@ def prompts():
 
 def run_capturing_logits(llm, prompts, steps=STEPS):
     """Drive the engine step by step; each request's logits at every sampled token."""
-    eng = llm.engine
-    eng.runner.keep_logits = True
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    logits = {}
-    while eng.has_unfinished_requests():
-        sched = eng.scheduler.schedule()
-        res = eng.runner.execute(sched)
-        for row, rid in enumerate(res.sampled):
-            logits.setdefault(rid, []).append(res.logits[row].clone())
-        eng.scheduler.update(sched, res.sampled, 0.0)
+    logits = capture(llm, prompts, params, prefix="r")
     return [torch.stack(logits[f"r{i}"]) for i in range(len(prompts))]
 
 

@@ -3,29 +3,11 @@ import pytest
 import torch
 
 from entropic.sampling_params import SamplingParams
+from engine_probe import run_capturing_logits as _run_capturing_logits
 
 pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-
-
-def _run_capturing_logits(llm, prompts, params):
-    """Drive the engine step by step, keeping each request's logits for every sampled token."""
-    eng = llm.engine
-    eng.runner.keep_logits = True
-    logits = {}
-    try:
-        for i, p in enumerate(prompts):
-            eng.add_request(f"cap{i}", p, params)
-        while eng.has_unfinished_requests():
-            sched = eng.scheduler.schedule()
-            res = eng.runner.execute(sched)
-            for row, rid in enumerate(res.sampled):
-                logits.setdefault(rid, []).append(res.logits[row].clone())
-            eng.scheduler.update(sched, res.sampled, 0.0)
-    finally:
-        eng.runner.keep_logits = False
-    return logits
 
 
 def test_logits_match_reference_in_mixed_chunked_batches(llm_fp32, hf_reference, chat_prompts):
