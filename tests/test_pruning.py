@@ -203,9 +203,15 @@ def test_pruning_that_never_binds_is_bit_identical_to_dense(llm_fp32, chat_promp
     from entropic.engine.engine import LLMEngine
     prompts = chat_prompts[:6]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    dense = llm_fp32.generate(prompts, sp)
     eng = llm_fp32.engine
-    pruner = EntropicBlockPruner(PruningConfig(score="surprisal", min_keep_fraction=1.0), 16)
+    # both from scratch: the shared LLM's prefix cache may hold these prompts already, and
+    # a surprisal-scoring pruner never looks the cache up
+    plain = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, enable_prefix_caching=False))
+    for i, p in enumerate(prompts):
+        plain.add_request(f"d{i}", p, sp)
+    dense = sorted(plain.run_until_done(), key=lambda o: int(o.request_id[1:]))
+    pruner = EntropicBlockPruner(PruningConfig(score="surprisal", min_keep_fraction=1.0,
+                                               min_attention_share=0.0), 16)
     hooked = LLMEngine(eng.model, eng.tokenizer, eng.config, block_policy=pruner)
     for i, p in enumerate(prompts):
         hooked.add_request(f"h{i}", p, sp)
