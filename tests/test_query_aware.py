@@ -102,8 +102,6 @@ def _problem(dtype, seed=1):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_attends_the_bound_chosen_blocks_like_masked_dense_attention(level, dtype):
-    if dtype == torch.bfloat16 and level == "generic":
-        pytest.skip("covered: the generic level runs fp32 and bf16 alike through one path")
     q, kv, slots, lengths, keep, sel = _problem(dtype)
     n, ctx = slots.shape
     scale = 0.125
