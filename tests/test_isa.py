@@ -32,6 +32,9 @@ def test_levels_follow_the_cpu_and_the_best_is_chosen():
     if kernels.cpu_levels(flags):  # an x86-64 machine: the levels follow the flags
         assert kernels.cpu_levels(flags) == ("avx512", "avx2")
         assert kernels.cpu_levels(flags + " avx512_bf16") == ("avx512bf16", "avx512", "avx2")
+        assert kernels.cpu_levels(flags + " avx512_bf16 amx_tile amx_bf16") == (
+            "amx", "avx512bf16", "avx512", "avx2")
+        assert kernels.cpu_levels(flags + " amx_tile amx_bf16") == ("avx512", "avx2")
         assert kernels.cpu_levels("flags : fpu sse2 avx") == ()
 
 
@@ -152,6 +155,15 @@ def test_levels_agree_where_their_arithmetic_is_the_same():
             torch.testing.assert_close(bf[k].double(), fp[k].double(), rtol=2 ** -7, atol=1e-6)
         torch.testing.assert_close(bf["int8_linear"].double(), fp["int8_linear"].double(),
                                    rtol=2 ** -7, atol=2 ** -7 * fp["int8_linear"].abs().max())
+    if "amx" in LEVELS:
+        # the same code as avx512bf16 but for prefill attention's products (AMX tiles), whose
+        # rounding differs from VDPBF16PS's: bf16 rounding apart, and not always the same bits
+        amx, bf = outs["amx"], outs["avx512bf16"]
+        for k, v in amx.items():
+            if k != "prefill_attention":
+                assert torch.equal(v, bf[k]), k
+        torch.testing.assert_close(amx["prefill_attention"].double(),
+                                   bf["prefill_attention"].double(), rtol=2 ** -6, atol=1e-4)
     for lv in LEVELS:  # the rest: fp32 rounding apart
         for k, v in outs[lv].items():
             torch.testing.assert_close(v.double(), outs[LEVELS[0]][k].double(),
@@ -165,6 +177,7 @@ _AVX512_ONLY = re.compile(
     r"|\bvrndscale|\bvscalef|\bvgetexp|\bvfixupimm|\bvrange|\bvreduce|\bvrcp14|\bvrsqrt14"
     r"|\bvcompress|\bvexpand|\bvpconflict|\bvplzcnt|\bvcvt\w*u(dq|qq)|\bvcvtu\w+|\bkmov")
 _BF16_ONLY = re.compile(r"\bvdpbf16ps|\bvcvtne2ps2bf16|\bvcvtneps2bf16")
+_AMX_ONLY = re.compile(r"\btdpbf16ps|\bldtilecfg|\btileloadd|\btilestored|\btilezero")
 
 
 def _disassembly(level: str) -> str:
@@ -179,13 +192,19 @@ def _disassembly(level: str) -> str:
                      if re.match(r"^\s+[0-9a-f]+:", ln))
 
 
-@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "avx512bf16"])
+@pytest.mark.parametrize("level", [lv for lv in LEVELS if lv != "amx"])
 def test_each_level_uses_only_its_own_instructions(level):
     """The lower levels' object code (compiled on this CPU, which has more) holds no
-    instruction of a level above: avx2 no AVX-512 at all, avx512 no AVX512-BF16, generic
-    (on x86-64) no AVX."""
+    instruction of a level above: avx512bf16 no AMX, avx512 no AVX512-BF16, avx2 no AVX-512
+    at all, generic (on x86-64) no AVX. amx's prefill attention runs on tiles."""
     code = _disassembly(level)
     assert len(code) > 1000
+    assert not _AMX_ONLY.search(code)
+    if level == "avx512bf16":
+        assert "vdpbf16ps" in code
+        if "amx" in LEVELS:
+            assert "tdpbf16ps" in _disassembly("amx")
+        return
     assert not _BF16_ONLY.search(code)
     if level == "avx512":
         assert "%zmm" in code

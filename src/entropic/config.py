@@ -62,7 +62,7 @@ def choose_dtype(dtype: str | torch.dtype, device: str, quantization: str | None
     flags = set((cpu_flags if cpu_flags is not None else kernels.cpu_flags_line()).split())
     hardware = [f for f in BF16_CPU_FLAGS if f in flags]
     forced = os.environ.get("ENTROPIC_ISA")
-    if hardware and forced not in (None, "", "avx512bf16"):
+    if hardware and forced not in (None, "", "amx", "avx512bf16"):
         return torch.float32, (f"float32: ENTROPIC_ISA={forced} forces kernels without bf16 "
                                f"arithmetic")
     if hardware:

@@ -5,6 +5,7 @@ attention), `quant_linear.cpp` (weight-only int4/int8 linear), `logit_stats.cpp`
 per-row max, log-normaliser, entropy and argmax). Those files check arguments and split the
 work between threads; the math is in `*_math.h`, compiled once per ISA level (`isa.h`):
 
+    amx          avx512bf16, with prefill attention's products on AMX-BF16 tiles
     avx512bf16   AVX-512 with bf16 dot products (VDPBF16PS)
     avx512       AVX-512 F/BW/VL/DQ, fp32 FMA
     avx2         AVX2 + FMA, fp32 FMA
@@ -40,12 +41,14 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 HEADERS = sorted(HERE.glob("*.h"))
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 KERNEL_CHOICES = ("native", "torch")
-ISA_LEVELS = ("avx512bf16", "avx512", "avx2", "generic")  # best first
+ISA_LEVELS = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first
 # /proc/cpuinfo flags each level needs (x86-64)
 _LEVEL_CPU_FLAGS = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+            "amx_tile", "amx_bf16"},
 }
 
 _lock = threading.Lock()
@@ -72,7 +75,8 @@ def cpu_flags_line() -> str:
 
 
 def cpu_levels(flags_line: str | None = None) -> tuple[str, ...]:
-    """The vector levels (avx512bf16, avx512, avx2) this x86-64 CPU runs, by its flags."""
+    """The vector levels (amx, avx512bf16, avx512, avx2) this x86-64 CPU runs, by its flags
+    (amx also needs the OS to grant the tile state, which Linux kernels with AMX do)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ()
     flags = set((flags_line if flags_line is not None else _cpu_flags()).split())

@@ -11,8 +11,36 @@
 
 #include "common.h"
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace entropic_kernels {
 namespace {
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), and Linux's permission to use
+// the tile state, which a process must ask for once (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA; granted on kernels that support AMX, refused elsewhere).
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 22) & 1u)) return false;
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+#endif
 
 // Whether the CPU (and the OS, which must save the wide registers) runs level i.
 bool cpu_runs(int level) {
@@ -23,9 +51,10 @@ bool cpu_runs(int level) {
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
   switch (level) {
-    case 0: return avx512 && __builtin_cpu_supports("avx512bf16");
-    case 1: return avx512;
-    case 2: return avx2;
+    case 0: return avx512 && __builtin_cpu_supports("avx512bf16") && amx_usable();
+    case 1: return avx512 && __builtin_cpu_supports("avx512bf16");
+    case 2: return avx512;
+    case 3: return avx2;
     default: return true;
   }
 #else
@@ -35,9 +64,10 @@ bool cpu_runs(int level) {
 
 const Kernels* built(int level) {
   switch (level) {
-    case 0: return kernels_avx512bf16();
-    case 1: return kernels_avx512();
-    case 2: return kernels_avx2();
+    case 0: return kernels_amx();
+    case 1: return kernels_avx512bf16();
+    case 2: return kernels_avx512();
+    case 3: return kernels_avx2();
     default: return kernels_generic();
   }
 }
@@ -71,8 +101,8 @@ void set_isa(const std::string& level) {
       return;
     }
   }
-  TORCH_CHECK(false, "set_isa: unknown level '", level, "' (levels: avx512bf16, avx512, avx2, "
-              "generic)");
+  TORCH_CHECK(false, "set_isa: unknown level '", level, "' (levels: amx, avx512bf16, avx512, "
+              "avx2, generic)");
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // (*_math.h); the op files (*.cpp) check their arguments, split the work between threads and
 // call the active level's table. The level is chosen once, at load, as the best this CPU runs;
 // `set_level` forces a lower one (ENTROPIC_ISA, tests, benchmarks).
+//   amx         avx512bf16 plus AMX-BF16 tiles (Sapphire Rapids and later, where the OS grants
+//               the tile state): prefill attention's products on tiles, the rest as avx512bf16
 //   avx512bf16  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (VDPBF16PS)
 //   avx512      AVX-512 F/BW/VL/DQ: fp32 FMA
 //   avx2        AVX2 + FMA: fp32 FMA
@@ -19,8 +21,9 @@ namespace entropic_kernels {
 
 using bf16_bits = uint16_t;  // a bfloat16 number's bits
 
-constexpr int kNumLevels = 4;
-constexpr const char* kLevelNames[kNumLevels] = {"avx512bf16", "avx512", "avx2", "generic"};
+constexpr int kNumLevels = 5;
+constexpr const char* kLevelNames[kNumLevels] = {"amx", "avx512bf16", "avx512", "avx2",
+                                                 "generic"};
 
 // Slots to fetch into cache while a (row, KV head) is computed: `count` slots of the row
 // that comes next, and how many leading slots of this row an earlier lookahead fetched.
@@ -133,6 +136,7 @@ inline int64_t prefill_ws_floats(int64_t rows, int64_t d) {
 }
 
 // Each level TU defines its getter: its table, or null where it was not built.
+const Kernels* kernels_amx();
 const Kernels* kernels_avx512bf16();
 const Kernels* kernels_avx512();
 const Kernels* kernels_avx2();

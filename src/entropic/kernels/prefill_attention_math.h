@@ -10,9 +10,15 @@
 //   keys [dim pair][64 keys][2 dims], values [key pair][dim][2 keys], bf16.
 // - avx512, avx2: the same fused multiply-adds one by one in fp32, in the same order (odd
 //   member of each pair first). Packed keys [dim][64 keys], values [key][dim], fp32.
-// The two give the same numbers where the CPU's VDPBF16PS rounds as Intel documents (and
-// without denormals, which VDPBF16PS flushes). Key blocks are aligned to position 0, so a
-// row's sums run over the same blocks in the same order however the prompt was chunked.
+// - amx: avx512bf16's layouts and softmax, with both products on AMX-BF16 tiles (TDPBF16PS,
+//   16 rows x 16 columns x 16 pairs per instruction, over the pairs in the same order). Its
+//   rounding within a pair differs from VDPBF16PS's (measured: either order of the pair
+//   members gives outputs 1 bf16 ulp apart in places), so amx is close to avx512bf16, not
+//   the same bits. Still the same numbers for a row however the prompt is chunked.
+// avx512bf16 and the fp32 levels give the same numbers where the CPU's VDPBF16PS rounds as
+// Intel documents (and without denormals, which VDPBF16PS flushes). Key blocks are aligned
+// to position 0, so a row's sums run over the same blocks in the same order however the
+// prompt was chunked.
 
 constexpr int kPfRowTile = 4;  // rows (query position x head) per register tile
 
@@ -121,6 +127,101 @@ inline float pf_store_probs(const F16* e, void* pv) {
 }
 constexpr int64_t kPfProbFloats = kPfKeys / 2;  // workspace floats of one row's P
 
+#if defined(ENTROPIC_LEVEL_AMX)
+
+// Tile registers as used here: 0-3 accumulators (16 rows x 16 fp32), 4 the A operand (16 rows
+// x 16 bf16 pairs), 5-7 B operands (16 pairs x 16 columns); each 16 rows of 64 bytes.
+struct alignas(64) PfTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads the tile shapes (per thread; other code, oneDNN's among it, sets its own).
+inline void pf_tiles_begin() {
+  PfTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kPfRowPad = 16;  // rows (query position x head) per tile
+
+// Scores of `rows` rows (a multiple of 16) against one block of 64 keys: s[r][64]
+// (unscaled). q: the rows' queries, bf16, d per row.
+inline void pf_block_scores(const bf16_bits* q, int64_t rows, const void* kblkv, int64_t d,
+                            float* s) {
+  const char* kblk = static_cast<const char*>(kblkv);
+  constexpr int64_t pair_row = kPfKeys * 4;  // bytes of one dim pair's 64 keys
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ks = 0; ks < d / 32; ++ks) {  // 16 dim pairs per step, in order
+      _tile_loadd(4, q + r0 * d + ks * 32, d * 2);
+      const char* kb = kblk + ks * 16 * pair_row;
+      _tile_loadd(5, kb, pair_row);
+      _tile_loadd(6, kb + 64, pair_row);
+      _tile_loadd(7, kb + 128, pair_row);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, kb + 192, pair_row);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* sr = s + r0 * kPfKeys;
+    _tile_stored(0, sr, kPfKeys * 4);
+    _tile_stored(1, sr + 16, kPfKeys * 4);
+    _tile_stored(2, sr + 32, kPfKeys * 4);
+    _tile_stored(3, sr + 48, kPfKeys * 4);
+  }
+}
+
+// o[r] = alpha[r] * o[r] + P[r] . V for `rows` rows (a multiple of 16); P as bf16 key pairs
+// p[r][32]. alpha * o first, as the VDPBF16PS path starts its chains.
+inline void pf_block_values(const void* pv, int64_t rows, const void* vblkv, int64_t d,
+                            float* o, const float* alpha) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int64_t c = 0; c < d; c += 16)
+      _mm512_storeu_ps(o + r * d + c, _mm512_mul_ps(a, _mm512_loadu_ps(o + r * d + c)));
+  }
+  const char* p = static_cast<const char*>(pv);
+  const char* vblk = static_cast<const char*>(vblkv);
+  const int64_t o_row = d * 4, v_row = d * 4, p_row = kPfProbFloats * 4;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      float* oc = o + r0 * d + c0;
+      _tile_loadd(0, oc, o_row);
+      _tile_loadd(1, oc + 16, o_row);
+      _tile_loadd(2, oc + 32, o_row);
+      _tile_loadd(3, oc + 48, o_row);
+      for (int64_t ks = 0; ks < kPfKeys / 32; ++ks) {  // 16 key pairs per step, in order
+        _tile_loadd(4, p + r0 * p_row + ks * 64, p_row);
+        const char* vb = vblk + ks * 16 * v_row + c0 * 4;
+        _tile_loadd(5, vb, v_row);
+        _tile_loadd(6, vb + 64, v_row);
+        _tile_loadd(7, vb + 128, v_row);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vb + 192, v_row);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, oc, o_row);
+      _tile_stored(1, oc + 16, o_row);
+      _tile_stored(2, oc + 32, o_row);
+      _tile_stored(3, oc + 48, o_row);
+    }
+  }
+}
+#endif
+
 #else  // fp32 fused multiply-adds
 
 constexpr int64_t kPfElemBytes = 4;
@@ -221,22 +322,39 @@ constexpr int64_t kPfProbFloats = kPfKeys;
 void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
   const int64_t rep = a.heads / a.kv_heads, d = a.d;
   const int64_t i0 = qb * kPfQueries, nq = std::min(kPfQueries, a.q_len - i0), rows = nq * rep;
+#if defined(ENTROPIC_LEVEL_AMX)
+  // whole tiles of rows; the padding rows' queries and probabilities are zeros
+  const int64_t rows_p = (rows + kPfRowPad - 1) / kPfRowPad * kPfRowPad;
+#else
+  const int64_t rows_p = rows;
+#endif
   float* o = ws;
-  float* s = o + rows * d;
-  float* mx = s + rows * kPfKeys;
-  float* sum = mx + rows;
-  float* alpha = sum + rows;
-  float* probs = alpha + rows;  // rows x kPfProbFloats
-  float* qf = probs + rows * kPfProbFloats;  // fp32 levels: the rows' queries
-  std::fill(o, o + rows * d, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
+  float* s = o + rows_p * d;
+  float* mx = s + rows_p * kPfKeys;
+  float* sum = mx + rows_p;
+  float* alpha = sum + rows_p;
+  float* probs = alpha + rows_p;  // rows x kPfProbFloats
+  float* qf = probs + rows_p * kPfProbFloats;  // fp32 levels: the rows' queries (amx: bf16)
+  std::fill(o, o + rows_p * d, 0.f);
+  for (int64_t r = 0; r < rows_p; ++r) {
     mx[r] = -std::numeric_limits<float>::infinity();
     sum[r] = 0.f;
+    alpha[r] = 1.f;
   }
   auto q_row = [&](int64_t r) {
     return a.q + (i0 + r / rep) * a.q_stride + (g * rep + r % rep) * d;
   };
   (void)qf;
+#if defined(ENTROPIC_LEVEL_AMX)
+  bf16_bits* qs = reinterpret_cast<bf16_bits*>(qf);  // rows_p x d
+  std::fill(probs + rows * kPfProbFloats, probs + rows_p * kPfProbFloats, 0.f);
+  for (int64_t r = 0; r < rows_p; ++r) {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(qs + r * d);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(r < rows ? q_row(r) : nullptr);
+    for (int64_t p = 0; p < d / 2; ++p) dst[p] = src ? src[p] : 0u;  // padding rows: 0
+  }
+  pf_tiles_begin();
+#endif
 #if !defined(ENTROPIC_LEVEL_BF16)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(q_row(r) + i);
@@ -259,9 +377,13 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
   for (int64_t b = 0; b < nblk; ++b) {
     const char* kblk = static_cast<const char*>(a.kp) + (g * a.blocks + b) * block_bytes;
     const char* vblk = static_cast<const char*>(a.vp) + (g * a.blocks + b) * block_bytes;
+#if defined(ENTROPIC_LEVEL_AMX)
+    pf_block_scores(qs, rows_p, kblk, d, s);
+#else
     pf_tiles(rows, [&](auto rt, int64_t r0) {
       pf_scores<decltype(rt)::value>(queries(r0, rt), kblk, d, s + r0 * kPfKeys);
     });
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       // keys up to the row's own position
       const int64_t valid = std::min<int64_t>(kPfKeys, a.start + i0 + r / rep - b * kPfKeys + 1);
@@ -285,11 +407,18 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
       for (int c = 0; c < 4; ++c) e[c] = maskz16(m[c], exp16(sub(x[c], f16_set(m_new))));
       sum[r] = sum[r] * alpha[r] + pf_store_probs(e, pr);
     }
+#if defined(ENTROPIC_LEVEL_AMX)
+    pf_block_values(probs, rows_p, vblk, d, o, alpha);
+#else
     pf_tiles(rows, [&](auto rt, int64_t r0) {
       pf_values<decltype(rt)::value>(probs + r0 * kPfProbFloats, vblk, d, o + r0 * d,
                                      alpha + r0);
     });
+#endif
   }
+#if defined(ENTROPIC_LEVEL_AMX)
+  _tile_release();
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r / rep, h = g * rep + r % rep;
     bf16_bits* dst = a.out + i * a.heads * d + h * d;
