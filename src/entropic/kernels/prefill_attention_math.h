@@ -151,6 +151,28 @@ inline void pf_tiles_begin() {
 
 constexpr int64_t kPfRowPad = 16;  // rows (query position x head) per tile
 
+// Accumulators 0-3 += A (tile 4) x the four B tiles of 16 columns at b, b + 64, b + 128 and
+// b + 192 bytes (rows `stride` bytes apart); B tiles loaded ahead of the products that use
+// them.
+inline void pf_dp4(const char* b, int64_t stride) {
+  _tile_loadd(5, b, stride);
+  _tile_loadd(6, b + 64, stride);
+  _tile_loadd(7, b + 128, stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, b + 192, stride);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// Stores accumulators 0-3 as 16 rows of 64 floats at c (rows `stride` bytes apart).
+inline void pf_store4(float* c, int64_t stride) {
+  _tile_stored(0, c, stride);
+  _tile_stored(1, c + 16, stride);
+  _tile_stored(2, c + 32, stride);
+  _tile_stored(3, c + 48, stride);
+}
+
 // Scores of `rows` rows (a multiple of 16) against one block of 64 keys: s[r][64]
 // (unscaled). q: the rows' queries, bf16, d per row.
 inline void pf_block_scores(const bf16_bits* q, int64_t rows, const void* kblkv, int64_t d,
@@ -164,21 +186,9 @@ inline void pf_block_scores(const bf16_bits* q, int64_t rows, const void* kblkv,
     _tile_zero(3);
     for (int64_t ks = 0; ks < d / 32; ++ks) {  // 16 dim pairs per step, in order
       _tile_loadd(4, q + r0 * d + ks * 32, d * 2);
-      const char* kb = kblk + ks * 16 * pair_row;
-      _tile_loadd(5, kb, pair_row);
-      _tile_loadd(6, kb + 64, pair_row);
-      _tile_loadd(7, kb + 128, pair_row);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, kb + 192, pair_row);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 4, 5);
+      pf_dp4(kblk + ks * 16 * pair_row, pair_row);
     }
-    float* sr = s + r0 * kPfKeys;
-    _tile_stored(0, sr, kPfKeys * 4);
-    _tile_stored(1, sr + 16, kPfKeys * 4);
-    _tile_stored(2, sr + 32, kPfKeys * 4);
-    _tile_stored(3, sr + 48, kPfKeys * 4);
+    pf_store4(s + r0 * kPfKeys, kPfKeys * 4);
   }
 }
 
@@ -203,20 +213,9 @@ inline void pf_block_values(const void* pv, int64_t rows, const void* vblkv, int
       _tile_loadd(3, oc + 48, o_row);
       for (int64_t ks = 0; ks < kPfKeys / 32; ++ks) {  // 16 key pairs per step, in order
         _tile_loadd(4, p + r0 * p_row + ks * 64, p_row);
-        const char* vb = vblk + ks * 16 * v_row + c0 * 4;
-        _tile_loadd(5, vb, v_row);
-        _tile_loadd(6, vb + 64, v_row);
-        _tile_loadd(7, vb + 128, v_row);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vb + 192, v_row);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 4, 5);
+        pf_dp4(vblk + ks * 16 * v_row + c0 * 4, v_row);
       }
-      _tile_stored(0, oc, o_row);
-      _tile_stored(1, oc + 16, o_row);
-      _tile_stored(2, oc + 32, o_row);
-      _tile_stored(3, oc + 48, o_row);
+      pf_store4(oc, o_row);
     }
   }
 }
