@@ -71,6 +71,11 @@ class SamplingParams:
     its log-probability given the tokens before it (what log-likelihood evaluation needs).
     `thermostat` replaces the fixed temperature by the entropy controller (see
     ThermostatParams); `temperature` is then its starting value.
+    `tempered_entropy` measures H^T, the entropy of the tempered distribution each token
+    was drawn from, for every token (`RequestOutput.tempered_entropies`). It is known
+    without it at temperature 1 (H^T = H), greedy (0) and under the thermostat in
+    stabilize mode (its own measurement); elsewhere it costs one more pass over the
+    vocabulary per token, and without it those tokens report None.
     """
 
     max_tokens: int = 16
@@ -87,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     thermostat: ThermostatParams | None = None
+    tempered_entropy: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +138,9 @@ class SamplingParams:
             if not 0 <= self.prompt_logprobs <= 20:
                 raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
+        if not isinstance(self.tempered_entropy, bool):
+            raise TypeError(f"tempered_entropy must be a bool, got "
+                            f"{type(self.tempered_entropy).__name__} {self.tempered_entropy!r}")
         if self.thermostat is not None:
             if isinstance(self.thermostat, dict):
                 self.thermostat = ThermostatParams(**self.thermostat)

@@ -8,7 +8,8 @@ state T_t. At each step, for every row whose request set `SamplingParams.thermos
      before top-k/top-p/min-p (which then truncate it as usual), in one native pass over the
      row when the sampler's native statistics ran (it reuses their row max);
    - follow: H_t, the model's temperature-1 entropy;
-   floored at h_min (H_hat = max(H, H_min));
+   floored at h_min (H_hat = max(H, H_min)); in stabilize mode the unfloored H_t^T is
+   also handed to the sampler, which reports it per token (`SamplerOutput.tempered_entropies`);
 3. after sampling (`accept`) it moves to
    stabilize: T_{t+1} = clip(T_t * exp(eta * (H* - H_hat_t^T)), T_min, T_max)
    follow:    T_{t+1} = clip(T_t * exp(eta * (H_hat_t - H*)), T_min, T_max).
@@ -88,7 +89,10 @@ class Thermostat:
             temps[idx] = t_vec
             stab = [batch.params[i].thermostat.mode == "stabilize" for i in wave]
             if any(stab):
-                h_tempered = tempered_entropy(logits, idx, t_vec, batch).tolist()
+                measured = tempered_entropy(logits, idx, t_vec, batch)
+                if batch.tempered_entropies is not None:  # reported per token (H^T_t)
+                    batch.tempered_entropies[idx] = measured.to(batch.tempered_entropies.dtype)
+                h_tempered = measured.tolist()
             if h_model is None and not all(stab):
                 h_model = _exact(logits).tolist()
             for j, i in enumerate(wave):
