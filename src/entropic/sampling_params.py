@@ -76,6 +76,9 @@ class SamplingParams:
     without it at temperature 1 (H^T = H), greedy (0) and under the thermostat in
     stabilize mode (its own measurement); elsewhere it costs one more pass over the
     vocabulary per token, and without it those tokens report None.
+    `entropy_estimator` ("exact", "topK" or "topK+tail", e.g. "top32+tail"; None: the
+    engine's choice, `LLM(entropy_estimator=...)`) is how this request's entropy is
+    measured for its outputs and for the control laws (docs/entropy.md).
     """
 
     max_tokens: int = 16
@@ -93,6 +96,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     thermostat: ThermostatParams | None = None
     tempered_entropy: bool = False
+    entropy_estimator: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +145,12 @@ class SamplingParams:
         if not isinstance(self.tempered_entropy, bool):
             raise TypeError(f"tempered_entropy must be a bool, got "
                             f"{type(self.tempered_entropy).__name__} {self.tempered_entropy!r}")
+        if self.entropy_estimator is not None:
+            if not isinstance(self.entropy_estimator, str):
+                raise TypeError(f"entropy_estimator must be a string or None, got "
+                                f"{type(self.entropy_estimator).__name__}")
+            from entropic.control.estimators import make_estimator
+            make_estimator(self.entropy_estimator)  # raises ValueError naming the choices
         if self.thermostat is not None:
             if isinstance(self.thermostat, dict):
                 self.thermostat = ThermostatParams(**self.thermostat)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from entropic.control.estimators import ExactEntropy
+from entropic.control.estimators import EntropyEstimate, ExactEntropy
 from entropic.sampling.sampler import SamplingBatch, tempered_entropy
 
 _exact = ExactEntropy()
@@ -49,7 +49,10 @@ def next_temperature(t: float, h: float, target: float, eta: float, t_min: float
 class Thermostat:
     """Per-request temperature controller; state is released when a request finishes."""
 
-    def __init__(self) -> None:
+    def __init__(self, estimates: EntropyEstimate | None = None) -> None:
+        # where a request's entropy estimator is not exact, H^T is that estimator's value
+        # on the tempered logits (follow mode reads the sampler's H_t, already estimated)
+        self.estimates = estimates
         self._temps: dict[str, float] = {}
         self._pending: dict[int, tuple[str, float, float]] = {}  # row -> (id, next T, H)
         self.last_controlled_entropy: dict[str, float] = {}
@@ -90,6 +93,8 @@ class Thermostat:
             stab = [batch.params[i].thermostat.mode == "stabilize" for i in wave]
             if any(stab):
                 measured = tempered_entropy(logits, idx, t_vec, batch)
+                if self.estimates is not None:
+                    measured = self._estimated(measured, logits, wave, t_vec, batch)
                 if batch.tempered_entropies is not None:  # reported per token (H^T_t)
                     batch.tempered_entropies[idx] = measured.to(batch.tempered_entropies.dtype)
                 h_tempered = measured.tolist()
@@ -103,6 +108,18 @@ class Thermostat:
                 current[rid] = nxt
                 self._pending[i] = (rid, nxt, h)
         return logits, temps
+
+    def _estimated(self, measured: torch.Tensor, logits: torch.Tensor, wave: list[int],
+                   t_vec: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`measured` with the rows whose request uses an estimator re-measured by it."""
+        out = measured
+        for j, i in enumerate(wave):
+            est = self.estimates.estimator(batch.params[i].entropy_estimator)
+            if est is not None:
+                if out is measured:
+                    out = measured.clone()
+                out[j] = est(logits[i:i + 1] / t_vec[j]).to(out.dtype)[0]
+        return out
 
     def accept(self, token_ids: torch.Tensor, batch: SamplingBatch) -> None:
         """Move each request to the temperature after its last committed row."""

@@ -35,7 +35,9 @@ class SamplingBatch:
     request_ids: list[str]
     params: list[SamplingParams]
     num_output_tokens: list[int]
-    entropies: torch.Tensor | None = None  # [S] model entropy, set by the sampler
+    # [S] model entropy, set by the sampler (exact); a processor may replace it by an
+    # estimate (a new tensor), which is then what the sampler reports
+    entropies: torch.Tensor | None = None
     # [S] row maxima of `stats_of` (the raw logits), set when the native statistics ran
     row_max: torch.Tensor | None = None
     stats_of: torch.Tensor | None = None
@@ -54,6 +56,7 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor  # [S] long
     entropies: torch.Tensor  # [S] fp32, nats, of the temperature-1 model distribution
+    # (exact, unless a processor replaced a row's by an estimate)
     logprobs: torch.Tensor  # [S] logprob of the chosen token (temperature-1 distribution)
     top_ids: torch.Tensor | None  # [S, n]
     top_logprobs: torch.Tensor | None  # [S, n]
@@ -234,7 +237,8 @@ class Sampler:
             chosen = logp.gather(1, tokens[:, None]).squeeze(1)
             if n_top > 0:
                 top_lp, top_ids = logp.topk(n_top, dim=-1)
-        return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps, tempered)
+        # a processor (an entropy estimator) may have replaced the model entropies
+        return SamplerOutput(tokens, batch.entropies, chosen, top_ids, top_lp, temps, tempered)
 
     @staticmethod
     def _tempered(logits: torch.Tensor, unchanged: bool, temps: torch.Tensor,
