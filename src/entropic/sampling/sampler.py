@@ -63,7 +63,8 @@ class SamplerOutput:
     temperatures: torch.Tensor  # [S] temperature each row was sampled at (0 = greedy)
     # [S] fp32, nats: H^T, the entropy of softmax(logits / T) at the row's temperature T,
     # before top-k/top-p/min-p: the distribution the token was drawn from, before
-    # truncation. Rows at T = 1 (logits not rewritten) have H^T = H; greedy rows 0 (argmax
+    # truncation. Rows at T = 1 (logits not rewritten) have H^T = the exact H (even where an
+    # estimator replaced the reported H); greedy rows 0 (argmax
     # draws from a point mass); a row a processor measured has the processor's value; other
     # rows are measured (one more pass over the row) only when their SamplingParams ask
     # (`tempered_entropy`), and are NaN otherwise.
