@@ -122,7 +122,8 @@ class LLM:
             entropy_estimator, self.entropy_estimator_reason = choose_estimator(
                 ckpt.config.vocab_size, native, min(max_num_seqs, 64), device)
         else:
-            self.entropy_estimator_reason = f"{entropy_estimator}: set by LLM(entropy_estimator=...)"
+            self.entropy_estimator_reason = (f"{entropy_estimator}: set explicitly "
+                                             "(LLM(entropy_estimator=...), --entropy-estimator)")
         self.entropy_estimate = EntropyEstimate(entropy_estimator)
         log.info("entropy estimator %s", self.entropy_estimator_reason)
         self.thermostat = Thermostat(self.entropy_estimate)
