@@ -169,6 +169,7 @@ def test_hover_card_shows_the_top_alternatives(driver, greedy):
     assert card.find_element("css selector", ".card-h").text == \
         f"{greedy['spans'][k]['entropy']:.3f} nats"
     assert card.find_element("css selector", ".card-t").text == "0 (greedy)"
+    assert card.find_element("css selector", ".card-ht").text == "0.000 nats"  # a point mass
     assert "chosen" in rows[0].get_attribute("class")  # greedy: the top one was taken
     # a tap (click) pins it; Escape closes it
     spans[k].click()
@@ -205,37 +206,37 @@ def test_thermostat_toggle_changes_the_request_body(driver, server):
 
 
 @pytest.mark.model
-def test_tempered_entropy_is_recovered_from_the_temperatures(driver, server):
-    """traces.js inverts the thermostat's law; fed temperatures made by the law itself
-    (entropic.control.thermostat, float32 as the API sends them) it returns the H^T_t the
-    law was given, except where T_{t+1} was clipped."""
-    import numpy as np
-
+def test_tempered_entropy_trace_is_the_apis_with_no_gaps(driver, server):
+    """The H^T_t trace is the API's entropic.tempered_entropies, every token, also where
+    T_t sits at T_max (where a recovery from the temperatures would have no value): the
+    value the thermostat's law stepped on, and the same as a direct, non-streamed request
+    with the same body returns."""
     from entropic.control.thermostat import next_temperature
     d = driver
     open_page(d, server.base, KEY)
-    th = {"target_entropy": 2.0, "eta": 0.3, "t_min": 0.2, "t_max": 2.0, "mode": "stabilize"}
-    rng = np.random.default_rng(0)
-    h = [float(x) for x in rng.uniform(0.0, 6.0, 40)] + [9.0, 9.0, 9.0, 0.0, 0.0]
-    temps, t = [], 0.7
-    for ht in h:
-        temps.append(float(np.float32(t)))
-        t = next_temperature(t, ht, 2.0, 0.3, 0.2, 2.0, "stabilize")
-    got = d.execute_async_script("""
-        const [temps, th, done] = arguments;
-        import('/lens/traces.js').then((m) => done(m.temperedEntropies(temps, th)));""",
-                                 temps, th)
-    clipped = [i for i in range(len(h) - 1) if temps[i + 1] in (np.float32(0.2), 2.0)]
-    assert clipped and got[-1] is None
-    for i in range(len(h) - 1):
-        if i in clipped:
-            assert got[i] is None
-        else:
-            assert got[i] == pytest.approx(h[i], abs=1e-5)
-    assert d.execute_async_script("""
-        const done = arguments[0];
-        import('/lens/traces.js').then((m) => done(m.temperedEntropies([1, 1.1], null)));"""
-                                  ) == [None, None]
+    by(d, "#pg-thermostat")[0].click()
+    fill(d, "pg-target_entropy", 6)  # out of reach: T climbs to T_max and stays there
+    fill(d, "pg-eta", 0.5)
+    fill(d, "pg-t_max", 1.3)
+    send(d, PROMPT, max_tokens=12, temperature=0.8)
+    (sent,) = d.execute_script("return window.__sent")
+    cols = d.execute_script("return document.getElementById('pg-trace').traceChart.data()")
+    labels = [e.text for e in by(d, "#pg-trace .u-series th")]
+    assert labels[1:3] == ["H_t nats", "H^T_t nats"]
+    hs, hts, ts = cols[1], cols[2], cols[3]
+    assert len(hts) == 12 and None not in hts
+    assert sum(abs(t - 1.3) < 1e-6 for t in ts) >= 3  # clamped at T_max: no gap there
+    body = dict(sent["body"], stream=False)
+    body.pop("stream_options")
+    direct = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}"}).json()["choices"][0]
+    assert direct["entropic"]["tempered_entropies"] == pytest.approx(hts, abs=1e-6)
+    assert direct["entropic"]["entropies"] == pytest.approx(hs, abs=1e-6)
+    th = sent["body"]["entropic"]["thermostat"]
+    for i in range(11):
+        want = next_temperature(ts[i], max(hts[i], 0.0), th["target_entropy"], th["eta"],
+                                th["t_min"], th["t_max"], "stabilize")
+        assert ts[i + 1] == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.model
@@ -386,6 +387,7 @@ def test_exports(driver, server):
     wait_for(lambda: js.exists() and png.exists() and png.stat().st_size > 1000, 10, "downloads")
     rec = json.loads(js.read_text())
     assert len(rec["tokens"]) == 5 and rec["request"]["max_tokens"] == 5
+    assert all(t["tempered_entropy"] is not None for t in rec["tokens"])
     assert rec["entropic"]["tau"] == pytest.approx(rec["tokens"][-1]["cumulative_tau"], abs=1e-4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -404,8 +406,11 @@ def test_compare_runs_both_and_overlays_their_traces(driver, server):
     assert "thermostat" not in a["entropic"] and "thermostat" in b["entropic"]
     # one chart, three traces per run
     labels = [e.text for e in by(d, "#cmp-trace .u-series th")]
-    assert sum("(A)" in x for x in labels) == 3  # H_t, T_t, cumulative tau
-    assert sum("(B)" in x for x in labels) == 4  # and H^T_t, under the thermostat
+    # H_t, H^T_t, T_t, cumulative tau for each
+    assert sum("(A)" in x for x in labels) == sum("(B)" in x for x in labels) == 4
+    cols = d.execute_script("return document.getElementById('cmp-trace').traceChart.data()")
+    assert len(cols) == 9 and all(None not in c for c in cols)
+    assert cols[2] == pytest.approx(cols[1], abs=1e-6)  # A at T = 1: H^T = H
     assert "tokens 6" in by(d, "#cmp-a-stats")[0].text
 
 

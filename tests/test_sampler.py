@@ -130,3 +130,34 @@ def test_neg_inf_entries_never_sampled():
     logits = torch.tensor([[0.0, -math.inf, 0.0, -math.inf]]).expand(5000, -1).clone()
     out = Sampler()(logits, batch([SamplingParams(temperature=1.5)] * 5000))
     assert set(out.token_ids.tolist()) <= {0, 2}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_tempered_entropy_per_row(native):
+    """H^T of each row at its own temperature, before truncation: H at T = 1, 0 for greedy,
+    measured where the row asks, NaN (not measured) where a pass would be needed and the
+    row does not ask."""
+    if native:
+        from entropic import kernels
+        kernels.load()
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 300, generator=g) * 2
+    params = [SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, tempered_entropy=True),
+              SamplingParams(temperature=0.5),
+              SamplingParams(temperature=2.0, top_k=3, top_p=0.5, tempered_entropy=True)]
+    out = Sampler(native=native)(logits.clone(), batch(params))
+    h = out.tempered_entropies
+    assert h[0].item() == out.entropies[0].item()
+    assert h[1].item() == 0.0
+    assert h[2].item() == pytest.approx(entropy_from_logits(logits[2:3] / 0.5).item(), abs=1e-5)
+    assert math.isnan(h[3].item())
+    # the truncation by top-k / top-p comes after: H^T is of the whole tempered distribution
+    assert h[4].item() == pytest.approx(entropy_from_logits(logits[4:5] / 2.0).item(), abs=1e-5)
+    assert h[4].item() > math.log(3)
+
+
+def test_tempered_entropy_flag_is_checked():
+    with pytest.raises(TypeError, match="tempered_entropy must be a bool"):
+        SamplingParams(tempered_entropy=1)

@@ -190,15 +190,17 @@ def test_chat_logprobs_and_entropy(client, model_name):
     ent = ch.model_extra["entropic"]
     assert len(ent["entropies"]) == len(content) and all(h >= 0 for h in ent["entropies"])
     assert ent["temperatures"] == [0.0] * len(content)
+    assert ent["tempered_entropies"] == [0.0] * len(content)  # greedy: a point mass
     assert ent["tau"] == pytest.approx(_tau(ent["entropies"]), abs=1e-4)
 
 
 def test_thermostat_extension_streams_entropy(server, model_name):
+    from entropic.control.thermostat import next_temperature
     body = {"model": model_name, "messages": MSG, "max_tokens": 24, "temperature": 1.0,
             "seed": 3, "stream": True,
             "entropic": {"thermostat": {"target_entropy": 1.0, "eta": 0.5, "t_min": 0.5,
-                                        "t_max": 1.5}}}
-    ents, temps, last = [], [], None
+                                        "t_max": 1.5, "h_min": 0.2}}}
+    ents, temps, tempered, last = [], [], [], None
     with httpx.stream("POST", server + "/v1/chat/completions", json=body, headers=_auth(),
                       timeout=60) as resp:
         assert resp.status_code == 200
@@ -208,11 +210,35 @@ def test_thermostat_extension_streams_entropy(server, model_name):
             choice = json.loads(line[6:])["choices"][0]
             ents += choice["entropic"]["entropies"]
             temps += choice["entropic"]["temperatures"]
+            tempered += choice["entropic"]["tempered_entropies"]
             last = choice
-    assert last["finish_reason"] is not None and len(ents) == len(temps) > 1
+    assert last["finish_reason"] is not None and len(ents) == len(temps) == len(tempered) > 1
     assert all(0.5 - 1e-6 <= t <= 1.5 + 1e-6 for t in temps)
     assert temps[0] == pytest.approx(1.0) and len(set(temps)) > 1  # the controller acts
     assert last["entropic"]["tau"] == pytest.approx(_tau(ents), abs=1e-4)
+    # H^T_t is the value the thermostat stepped on: its law, fed the reported H^T_t
+    # (floored at h_min), gives every next temperature (the API's are float32)
+    assert all(h is not None and h >= 0 for h in tempered)
+    for i in range(len(temps) - 1):
+        want = next_temperature(temps[i], max(tempered[i], 0.2), 1.0, 0.5, 0.5, 1.5,
+                                "stabilize")
+        assert temps[i + 1] == pytest.approx(want, rel=1e-5), i
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completions_report_tempered_entropy(client, model_name, temperature):
+    """Without the thermostat, H^T is the entropy at the sampled temperature: H itself at
+    T = 1, and a measured value elsewhere (below H for T < 1 on every token)."""
+    r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=8,
+                                  temperature=temperature, seed=5,
+                                  extra_body={"entropic": {"entropy": True}})
+    ent = r.choices[0].model_extra["entropic"]
+    hs, hts = ent["entropies"], ent["tempered_entropies"]
+    assert len(hts) == len(hs) == r.usage.completion_tokens == 8
+    if temperature == 1.0:
+        assert hts == hs
+    else:
+        assert all(0 <= ht < h for ht, h in zip(hts, hs) if h > 1e-3), (hts, hs)
 
 
 def test_echo_scores_prompt_tokens(server, client, model_name):

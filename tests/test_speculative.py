@@ -283,10 +283,11 @@ def test_greedy_ids_identical_alone_and_mixed(llm_bf16, prompts, spec):
 
 def test_seeded_sampling_and_thermostat_identical(llm_bf16, prompts):
     th = ThermostatParams(target_entropy=1.0, t_min=0.3, t_max=1.5)
-    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=40),
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=40, tempered_entropy=True),
               SamplingParams(temperature=0.8, seed=12, max_tokens=40, top_p=0.9),
               SamplingParams(temperature=1.0, seed=13, max_tokens=40, thermostat=th),
-              SamplingParams(temperature=0.8, seed=14, max_tokens=40, top_k=5)]
+              SamplingParams(temperature=0.8, seed=14, max_tokens=40, top_k=5,
+                             tempered_entropy=True)]
     ref = _run(_engine(llm_bf16, None), prompts, params)
     fast = _engine(llm_bf16, FIXED)
     got = _run(fast, prompts, params)
@@ -295,6 +296,13 @@ def test_seeded_sampling_and_thermostat_identical(llm_bf16, prompts):
         assert g.temperatures == r.temperatures  # the thermostat stepped per position
         assert g.entropies == pytest.approx(r.entropies, abs=1e-4)
         assert g.entropic.tau == pytest.approx(r.entropic.tau, abs=1e-3)
+        # H^T of the committed tokens only, one per token, as without speculation (the
+        # rejected rows' measurements are dropped): measured, or None where not asked
+        assert len(g.tempered_entropies) == len(g.token_ids)
+        if r is ref[1]:
+            assert g.tempered_entropies == r.tempered_entropies == [None] * len(r.token_ids)
+        else:
+            assert g.tempered_entropies == pytest.approx(r.tempered_entropies, abs=1e-4)
     assert fast.speculator.stats.accepted_tokens > 0
 
 

@@ -131,3 +131,36 @@ def test_law_never_overflows(t, h, target, eta, mode):
     (its exponent is clipped; math.exp would otherwise overflow)."""
     t_next = next_temperature(t, h, target, eta, 1e-3, 1e3, mode)
     assert math.isfinite(t_next) and 1e-3 <= t_next <= 1e3
+
+
+@pytest.mark.parametrize("mode", ["stabilize", "follow"])
+def test_sampler_reports_the_tempered_entropy_the_law_used(mode):
+    """The sampler's per-row H^T is the thermostat's measurement: in stabilize mode the law
+    T_{t+1} = clip(T_t exp(eta (H* - max(H^T_t, h_min)))) holds with the reported value,
+    which is the entropy of softmax(logits / T_t); in follow mode (where the law reads H_t)
+    it is measured only when the request asks."""
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.randn(400, generator=g) * (0.5 + 0.3 * i) for i in range(12)]
+    th_p = ThermostatParams(target_entropy=2.5, eta=0.4, t_min=0.3, t_max=3.0, h_min=0.5,
+                            mode=mode)
+    for ask in (False, True):
+        th = Thermostat()
+        s = Sampler([th])
+        params = SamplingParams(temperature=1.3, thermostat=th_p, tempered_entropy=ask)
+        temps, reported = [], []
+        for i, z in enumerate(steps):
+            out = s(z[None].clone(), SamplingBatch(["r"], [params], [i]))
+            temps.append(out.temperatures[0].item())
+            reported.append(out.tempered_entropies[0].item())
+            if mode == "stabilize":  # the floored value the law used, unfloored here
+                assert th.last_controlled_entropy["r"] == max(reported[-1], 0.5)
+        if mode == "follow" and not ask:
+            assert all(math.isnan(h) for h in reported)
+            continue
+        for z, t, h in zip(steps, temps, reported):
+            assert h == pytest.approx(ExactEntropy()(z[None] / t).item(), abs=1e-5)
+        if mode == "stabilize":
+            for i in range(len(steps) - 1):
+                want = next_temperature(temps[i], max(reported[i], 0.5), 2.5, 0.4, 0.3, 3.0,
+                                        mode)
+                assert temps[i + 1] == pytest.approx(want, rel=1e-6)

@@ -33,8 +33,10 @@ def _build(args):
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               kernels=args.kernels, progress=True, max_model_len=None,
               enable_prefix_caching=args.enable_prefix_caching,
-              speculative_config=speculative_from_args(args))
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}",
+              speculative_config=speculative_from_args(args),
+              entropy_estimator=args.entropy_estimator)
+    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
+          f"entropy {llm.entropy_estimator_reason}",
           file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

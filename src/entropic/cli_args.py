@@ -17,6 +17,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="native: entropic's C++ CPU kernels for the small per-layer ops and "
                         "decode attention (the CPU default; compiled on first use); torch: "
                         "plain torch ops")
+    p.add_argument("--entropy-estimator", default="auto",
+                   help="how each step's entropy is measured: auto (default: chosen from "
+                        "measured cost, see docs/entropy.md), exact, topK or topK+tail "
+                        "(e.g. top32+tail)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="share the KV of full blocks between requests with the same prefix "

@@ -13,6 +13,7 @@ from entropic.config import EngineConfig, choose_dtype
 from entropic.control.clock import EntropicClock
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
+from entropic.control.estimators import EntropyEstimate, choose_estimator, make_estimator
 from entropic.control.thermostat import Thermostat
 from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
@@ -54,6 +55,10 @@ class LLM:
     tokens by prompt lookup (or a draft model) that decode steps verify in one pass; the
     entropy gate decides when and how far. Greedy and seeded outputs are token-identical
     to decoding without it.
+    `entropy_estimator` ("auto", the default, "exact", "topK" or "topK+tail") is how each
+    step's entropy is measured for the outputs and the control laws; "auto" chooses from
+    measured cost (`control.estimators.choose_estimator`; `llm.entropy_estimator_reason`
+    says what and why); a request's `SamplingParams.entropy_estimator` overrides it.
     `enable_prefix_caching` (on by default) lets a request start on the KV blocks of an
     earlier request with the same prefix (a shared system prompt, a chat's earlier turns)
     instead of computing them again (docs/prefix_caching.md).
@@ -71,6 +76,7 @@ class LLM:
                  policy: SchedulingPolicy | None = None,
                  pruning: PruningConfig | None = None,
                  speculative_config: SpeculativeConfig | dict | None = None,
+                 entropy_estimator: str = "auto",
                  processors: Sequence[LogitsProcessor] = ()) -> None:
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
@@ -94,6 +100,11 @@ class LLM:
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise TypeError(f"speculative_config must be a SpeculativeConfig, a dict or None, "
                             f"got {type(spec).__name__}")
+        if not isinstance(entropy_estimator, str):
+            raise TypeError(f"entropy_estimator must be a string, got "
+                            f"{type(entropy_estimator).__name__}")
+        if entropy_estimator != "auto":
+            make_estimator(entropy_estimator)  # a clear ValueError for a bad name, before loading
         if seed is not None:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
@@ -103,9 +114,19 @@ class LLM:
         del ckpt.tensors
         self.source = ckpt.source
         self.tokenizer = ckpt.tokenizer
-        # Entropic control plugs into the engine's hooks: the thermostat acts only on requests
-        # that ask for it; the clock only measures.
-        self.thermostat = Thermostat()
+        # Entropic control plugs into the engine's hooks: the entropy estimate (exact unless
+        # chosen otherwise) comes first in the sampler chain, so every law reads it; the
+        # thermostat acts only on requests that ask for it; the clock only measures.
+        if entropy_estimator == "auto":
+            native = getattr(net, "kernels", "torch") == "native" and device == "cpu"
+            entropy_estimator, self.entropy_estimator_reason = choose_estimator(
+                ckpt.config.vocab_size, native, min(max_num_seqs, 64), device)
+        else:
+            self.entropy_estimator_reason = (f"{entropy_estimator}: set explicitly "
+                                             "(LLM(entropy_estimator=...), --entropy-estimator)")
+        self.entropy_estimate = EntropyEstimate(entropy_estimator)
+        log.info("entropy estimator %s", self.entropy_estimator_reason)
+        self.thermostat = Thermostat(self.entropy_estimate)
         self.clock = EntropicClock()
         if policy is None and scheduling == "entropic":
             elem = torch.empty((), dtype=torch_dtype).element_size()
@@ -117,7 +138,8 @@ class LLM:
         self.speculator = (Speculator(spec, make_proposer(spec, self.tokenizer, device))
                            if spec is not None else None)
         self.engine = LLMEngine(net, self.tokenizer, config, policy,
-                                [self.thermostat, *processors], self.clock, self.pruner,
+                                [self.entropy_estimate, self.thermostat, *processors],
+                                self.clock, self.pruner,
                                 self.speculator)
         self.engine.stats.dtype_reason = self.dtype_reason
         log.info("dtype %s", self.dtype_reason)

@@ -101,8 +101,12 @@ class RequestOutput:
     `text_delta` and `new_token_ids` hold what this step added (for streaming).
     `entropies[i]` is the exact entropy (nats) of the model's temperature-1 next-token
     distribution from which `token_ids[i]` was drawn; `temperatures[i]` the temperature it
-    was sampled at (0 for greedy). `cost` is what the request consumed so far; `entropic`
-    its entropic time reading, when the engine runs a clock.
+    was sampled at (0 for greedy); `tempered_entropies[i]` H^T, the entropy of the tempered
+    distribution softmax(logits / T) it was drawn from, before top-k/top-p/min-p (what the
+    thermostat steers): equal to `entropies[i]` at T = 1, 0 for greedy, the thermostat's own
+    measurement under it, and None where it was not measured (a fixed temperature other
+    than 0 and 1 without `SamplingParams.tempered_entropy`). `cost` is what the request
+    consumed so far; `entropic` its entropic time reading, when the engine runs a clock.
     """
 
     request_id: str
@@ -112,6 +116,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     temperatures: list[float] = field(default_factory=list)
+    tempered_entropies: list[float | None] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, score of token 1, ...]
     finish_reason: str | None = None  # "stop", "length", "abort", "error"

@@ -71,6 +71,14 @@ class SamplingParams:
     its log-probability given the tokens before it (what log-likelihood evaluation needs).
     `thermostat` replaces the fixed temperature by the entropy controller (see
     ThermostatParams); `temperature` is then its starting value.
+    `tempered_entropy` measures H^T, the entropy of the tempered distribution each token
+    was drawn from, for every token (`RequestOutput.tempered_entropies`). It is known
+    without it at temperature 1 (H^T = H), greedy (0) and under the thermostat in
+    stabilize mode (its own measurement); elsewhere it costs one more pass over the
+    vocabulary per token, and without it those tokens report None.
+    `entropy_estimator` ("exact", "topK" or "topK+tail", e.g. "top32+tail"; None: the
+    engine's choice, `LLM(entropy_estimator=...)`) is how this request's entropy is
+    measured for its outputs and for the control laws (docs/entropy.md).
     """
 
     max_tokens: int = 16
@@ -87,6 +95,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     thermostat: ThermostatParams | None = None
+    tempered_entropy: bool = False
+    entropy_estimator: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +142,15 @@ class SamplingParams:
             if not 0 <= self.prompt_logprobs <= 20:
                 raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
+        if not isinstance(self.tempered_entropy, bool):
+            raise TypeError(f"tempered_entropy must be a bool, got "
+                            f"{type(self.tempered_entropy).__name__} {self.tempered_entropy!r}")
+        if self.entropy_estimator is not None:
+            if not isinstance(self.entropy_estimator, str):
+                raise TypeError(f"entropy_estimator must be a string or None, got "
+                                f"{type(self.entropy_estimator).__name__}")
+            from entropic.control.estimators import make_estimator
+            make_estimator(self.entropy_estimator)  # raises ValueError naming the choices
         if self.thermostat is not None:
             if isinstance(self.thermostat, dict):
                 self.thermostat = ThermostatParams(**self.thermostat)

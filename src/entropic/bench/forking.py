@@ -75,7 +75,8 @@ class PrefilledPrompt:
         slots = _slots(engine.kv.block_table(rid), len(prompt), engine.config.block_size)
         kv = engine.runner.kv.kv[:, slots].clone()
         lp = req.logprobs[0].logprob if req.logprobs else -float("nan")
-        first = SampledToken(req.token_ids[-1], req.entropies[0], req.temperatures[0], lp)
+        first = SampledToken(req.token_ids[-1], req.entropies[0], req.temperatures[0], lp,
+                             tempered_entropy=req.tempered_entropies[0])
         surprisal = ([-e.logprob for e in req.prompt_logprobs[1:]]
                      if req.prompt_logprobs else [])
         engine.abort_request(rid)

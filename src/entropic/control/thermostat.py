@@ -8,7 +8,8 @@ state T_t. At each step, for every row whose request set `SamplingParams.thermos
      before top-k/top-p/min-p (which then truncate it as usual), in one native pass over the
      row when the sampler's native statistics ran (it reuses their row max);
    - follow: H_t, the model's temperature-1 entropy;
-   floored at h_min (H_hat = max(H, H_min));
+   floored at h_min (H_hat = max(H, H_min)); in stabilize mode the unfloored H_t^T is
+   also handed to the sampler, which reports it per token (`SamplerOutput.tempered_entropies`);
 3. after sampling (`accept`) it moves to
    stabilize: T_{t+1} = clip(T_t * exp(eta * (H* - H_hat_t^T)), T_min, T_max)
    follow:    T_{t+1} = clip(T_t * exp(eta * (H_hat_t - H*)), T_min, T_max).
@@ -24,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from entropic.control.estimators import ExactEntropy
+from entropic.control.estimators import EntropyEstimate, ExactEntropy
 from entropic.sampling.sampler import SamplingBatch, tempered_entropy
 
 _exact = ExactEntropy()
@@ -48,7 +49,10 @@ def next_temperature(t: float, h: float, target: float, eta: float, t_min: float
 class Thermostat:
     """Per-request temperature controller; state is released when a request finishes."""
 
-    def __init__(self) -> None:
+    def __init__(self, estimates: EntropyEstimate | None = None) -> None:
+        # where a request's entropy estimator is not exact, H^T is that estimator's value
+        # on the tempered logits (follow mode reads the sampler's H_t, already estimated)
+        self.estimates = estimates
         self._temps: dict[str, float] = {}
         self._pending: dict[int, tuple[str, float, float]] = {}  # row -> (id, next T, H)
         self.last_controlled_entropy: dict[str, float] = {}
@@ -88,7 +92,12 @@ class Thermostat:
             temps[idx] = t_vec
             stab = [batch.params[i].thermostat.mode == "stabilize" for i in wave]
             if any(stab):
-                h_tempered = tempered_entropy(logits, idx, t_vec, batch).tolist()
+                measured = tempered_entropy(logits, idx, t_vec, batch)
+                if self.estimates is not None:
+                    measured = self._estimated(measured, logits, wave, t_vec, batch)
+                if batch.tempered_entropies is not None:  # reported per token (H^T_t)
+                    batch.tempered_entropies[idx] = measured.to(batch.tempered_entropies.dtype)
+                h_tempered = measured.tolist()
             if h_model is None and not all(stab):
                 h_model = _exact(logits).tolist()
             for j, i in enumerate(wave):
@@ -99,6 +108,18 @@ class Thermostat:
                 current[rid] = nxt
                 self._pending[i] = (rid, nxt, h)
         return logits, temps
+
+    def _estimated(self, measured: torch.Tensor, logits: torch.Tensor, wave: list[int],
+                   t_vec: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`measured` with the rows whose request uses an estimator re-measured by it."""
+        out = measured
+        for j, i in enumerate(wave):
+            est = self.estimates.estimator(batch.params[i].entropy_estimator)
+            if est is not None:
+                if out is measured:
+                    out = measured.clone()
+                out[j] = est(logits[i:i + 1] / t_vec[j]).to(out.dtype)[0]
+        return out
 
     def accept(self, token_ids: torch.Tensor, batch: SamplingBatch) -> None:
         """Move each request to the temperature after its last committed row."""

@@ -343,6 +343,7 @@ class LLMEngine:
         if n <= 0:
             return
         del req.token_ids[-n:], req.entropies[-n:], req.temperatures[-n:]
+        del req.tempered_entropies[-n:]
         del req.metrics.token_times[-n:]
         if req.logprobs is not None:
             del req.logprobs[-n:]
@@ -461,6 +462,7 @@ class LLMEngine:
             token_ids=req.output_token_ids,
             entropies=list(req.entropies),
             temperatures=list(req.temperatures),
+            tempered_entropies=list(req.tempered_entropies),
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             prompt_logprobs=(list(req.prompt_logprobs) if req.prompt_logprobs is not None
                              and len(req.prompt_logprobs) == req.num_prompt_tokens else None),

@@ -287,6 +287,8 @@ class ModelRunner:
             toks = s.token_ids.tolist()
             ents = s.entropies.tolist()
             temps = s.temperatures.tolist()
+            # NaN (not measured) -> None
+            hts = [None if h != h else h for h in s.tempered_entropies.tolist()]
             lps = s.logprobs.tolist()
             tids = s.top_ids.tolist() if s.top_ids is not None else None
             tlps = s.top_logprobs.tolist() if s.top_logprobs is not None else None
@@ -294,7 +296,8 @@ class ModelRunner:
             for i, c in enumerate(samplers):
                 if kept is not None and not kept[i]:
                     continue
-                st = SampledToken(toks[i], ents[i], temps[i], lps[i])
+                st = SampledToken(toks[i], ents[i], temps[i], lps[i],
+                                  tempered_entropy=hts[i])
                 n = c.params.logprobs
                 if n is not None:
                     st.top_logprobs = dict(zip(tids[i][:n], tlps[i][:n])) if n else {}

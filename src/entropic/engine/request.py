@@ -48,6 +48,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.entropies: list[float] = []
         self.temperatures: list[float] = []
+        self.tempered_entropies: list[float | None] = []
         self.cost = Cost()
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         # entry i scores prompt token i given the tokens before it; token 0 has no score

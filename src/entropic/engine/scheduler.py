@@ -85,6 +85,8 @@ class SampledToken:
     temperature: float = 0.0
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    # H^T: entropy of the tempered distribution it was drawn from (None: not measured)
+    tempered_entropy: float | None = None
 
 
 class DraftPolicy(Protocol):
@@ -540,6 +542,7 @@ class Scheduler:
         req.token_ids.append(s.token_id)
         req.entropies.append(s.entropy)
         req.temperatures.append(s.temperature)
+        req.tempered_entropies.append(s.tempered_entropy)
         if req.logprobs is not None:
             req.logprobs.append(TokenLogprob(s.token_id, s.logprob, s.top_logprobs or {}))
         if req.metrics.first_token_time is None:

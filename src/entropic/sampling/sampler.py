@@ -5,8 +5,10 @@ Order of operations on one step's logits [S, V] (fp32):
    each row's exact entropy and the returned logprobs;
 2. processors (a chain of `LogitsProcessor`s, e.g. the thermostat) may rewrite logits and
    per-row temperatures; they see the full distribution, before any truncation;
-3. temperature, then top-k, top-p, min-p truncate the tempered distribution;
-4. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
+3. each row's tempered entropy H^T, of softmax(logits / T) at the temperature the row is
+   sampled at, before truncation (see `SamplerOutput.tempered_entropies`);
+4. temperature, then top-k, top-p, min-p truncate the tempered distribution;
+5. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
    cumsum; a seeded request's E at output position i comes from a generator keyed by
    (seed, i), so the draw depends only on the seed and the position, never on the batch or
    on how many positions one step computes (speculative verify rows).
@@ -33,7 +35,9 @@ class SamplingBatch:
     request_ids: list[str]
     params: list[SamplingParams]
     num_output_tokens: list[int]
-    entropies: torch.Tensor | None = None  # [S] model entropy, set by the sampler
+    # [S] model entropy, set by the sampler (exact); a processor may replace it by an
+    # estimate (a new tensor), which is then what the sampler reports
+    entropies: torch.Tensor | None = None
     # [S] row maxima of `stats_of` (the raw logits), set when the native statistics ran
     row_max: torch.Tensor | None = None
     stats_of: torch.Tensor | None = None
@@ -42,16 +46,29 @@ class SamplingBatch:
     draft_next: list[int | None] | None = None
     # set by the sampler before processors accept: rows whose tokens are committed
     kept: list[bool] | None = None
+    # [S] H^T per row, NaN where not measured; the sampler sets it to NaN before the
+    # processors run, and a processor that measures a row's tempered entropy (at the
+    # temperature it returns for that row) writes it here, so it is not measured twice
+    tempered_entropies: torch.Tensor | None = None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [S] long
     entropies: torch.Tensor  # [S] fp32, nats, of the temperature-1 model distribution
+    # (exact, unless a processor replaced a row's by an estimate)
     logprobs: torch.Tensor  # [S] logprob of the chosen token (temperature-1 distribution)
     top_ids: torch.Tensor | None  # [S, n]
     top_logprobs: torch.Tensor | None  # [S, n]
     temperatures: torch.Tensor  # [S] temperature each row was sampled at (0 = greedy)
+    # [S] fp32, nats: H^T, the entropy of softmax(logits / T) at the row's temperature T,
+    # before top-k/top-p/min-p: the distribution the token was drawn from, before
+    # truncation. Rows at T = 1 (logits not rewritten) have H^T = the exact H (even where an
+    # estimator replaced the reported H); greedy rows 0 (argmax
+    # draws from a point mass); a row a processor measured has the processor's value; other
+    # rows are measured (one more pass over the row) only when their SamplingParams ask
+    # (`tempered_entropy`), and are NaN otherwise.
+    tempered_entropies: torch.Tensor | None = None
 
 
 class LogitsProcessor(Protocol):
@@ -193,8 +210,10 @@ class Sampler:
         params = batch.params
         temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params],
                              dtype=torch.float32, device=dev)
+        batch.tempered_entropies = torch.full_like(entropies, float("nan"))
         for proc in self.processors:
             logits, temps = proc.apply(logits, temps, batch)
+        tempered = self._tempered(logits, logits is raw, temps, entropies, batch)
 
         greedy = temps == 0
         # processors return new logits when they change them (never in place)
@@ -219,7 +238,29 @@ class Sampler:
             chosen = logp.gather(1, tokens[:, None]).squeeze(1)
             if n_top > 0:
                 top_lp, top_ids = logp.topk(n_top, dim=-1)
-        return SamplerOutput(tokens, entropies, chosen, top_ids, top_lp, temps)
+        # a processor (an entropy estimator) may have replaced the model entropies
+        return SamplerOutput(tokens, batch.entropies, chosen, top_ids, top_lp, temps, tempered)
+
+    @staticmethod
+    def _tempered(logits: torch.Tensor, unchanged: bool, temps: torch.Tensor,
+                  entropies: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """H^T per row (see SamplerOutput.tempered_entropies): what processors measured,
+        then what is known without a pass (T = 1 on unchanged logits: H; greedy: 0), then
+        a pass over the rows that ask for it."""
+        h = batch.tempered_entropies
+        todo = torch.isnan(h)
+        if not bool(todo.any()):
+            return h
+        if unchanged:
+            h = torch.where(todo & (temps == 1), entropies, h)
+        h = torch.where(todo & (temps == 0), torch.zeros_like(h), h)
+        asks = [i for i, p in enumerate(batch.params) if p.tempered_entropy]
+        if asks:
+            asks_t = torch.tensor(asks, device=h.device)
+            rows = asks_t[torch.isnan(h[asks_t])]
+            if rows.numel():
+                h = h.index_put((rows,), tempered_entropy(logits, rows, temps[rows], batch))
+        return h
 
     def _native_stats(self, logits: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:

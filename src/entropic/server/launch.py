@@ -151,8 +151,10 @@ def serve(args: argparse.Namespace) -> int:
               num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
               scheduling=args.scheduling,
               pruning=PruningConfig() if args.pruning else None,
-              speculative_config=speculative_from_args(args))
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}",
+              speculative_config=speculative_from_args(args),
+              entropy_estimator=args.entropy_estimator)
+    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
+          f"entropy {llm.entropy_estimator_reason}",
           file=sys.stderr, flush=True)
 
     failed: list[BaseException] = []

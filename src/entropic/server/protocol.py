@@ -102,9 +102,12 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Build SamplingParams; raises ValueError/TypeError naming the field and limit."""
+        """Build SamplingParams; raises ValueError/TypeError naming the field and limit.
+        Where the response carries the `entropic` block (entropy asked for, or logprobs),
+        every token's H^T is measured for it (`tempered_entropy`)."""
         th = self.entropic.thermostat if self.entropic is not None else None
         kw = dict(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=self.ignore_eos,
+                  tempered_entropy=self.wants_entropy or logprobs is not None,
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   skip_special_tokens=self.skip_special_tokens, seed=self.seed,
                   stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],

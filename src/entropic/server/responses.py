@@ -63,10 +63,13 @@ def completion_logprobs(entries: list[TokenLogprob | tuple[int, None]], text: To
 
 # ---- the entropic extension ---------------------------------------------------------------
 def entropic_block(out: RequestOutput, start: int, final: bool) -> dict:
-    """Per-token entropy (nats, temperature-1 model distribution before truncation) and the
-    temperature each token was sampled at, for output tokens [start:]; on the final chunk
-    (or a whole response) the request's entropic time too."""
-    block: dict = {"entropies": out.entropies[start:], "temperatures": out.temperatures[start:]}
+    """Per-token entropy (nats, temperature-1 model distribution before truncation), the
+    temperature each token was sampled at and the tempered entropy H^T of the distribution
+    it was drawn from (nats, softmax(logits / T) before truncation; 0 for greedy), for
+    output tokens [start:]; on the final chunk (or a whole response) the request's entropic
+    time too."""
+    block: dict = {"entropies": out.entropies[start:], "temperatures": out.temperatures[start:],
+                   "tempered_entropies": out.tempered_entropies[start:]}
     if final and out.entropic is not None:
         r = out.entropic
         block.update(tau=r.tau, mean_entropy=r.mean_entropy, tau_per_tflop=r.tau_per_tflop,

@@ -1,6 +1,6 @@
 // Talking to the server: the API key, request bodies, and SSE streams read into token records.
-// A token record is {text, logprob, top: [{token, logprob}], entropy, temperature}, the same
-// for chat and completions; see docs/lens.md.
+// A token record is {text, logprob, top: [{token, logprob}], entropy, temperature,
+// tempered_entropy}, the same for chat and completions; see docs/lens.md.
 
 const KEY_STORE = "entropic-lens-key"; // sessionStorage: this tab only, never the server
 const TOP_ALTERNATIVES = 5;
@@ -96,10 +96,13 @@ function tokensOf(choice, chat) {
   const toks = chat ? chatTokens(choice) : completionTokens(choice);
   const ent = choice.entropic || {};
   const hs = ent.entropies || [], ts = ent.temperatures || [];
-  toks.forEach((t, i) => { t.entropy = hs[i]; t.temperature = ts[i]; });
+  const hts = ent.tempered_entropies || [];
+  const reading = (i) => ({ entropy: hs[i], temperature: ts[i],
+                            tempered_entropy: hts[i] === undefined ? null : hts[i] });
+  toks.forEach((t, i) => Object.assign(t, reading(i)));
   // entropy without logprobs (should not happen here, but keep the readings)
   for (let i = toks.length; i < hs.length; i++) {
-    toks.push({ text: "", logprob: null, top: [], entropy: hs[i], temperature: ts[i] });
+    toks.push({ text: "", logprob: null, top: [], ...reading(i) });
   }
   return toks;
 }

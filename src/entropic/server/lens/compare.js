@@ -41,9 +41,7 @@ export function setupCompare(card) {
     }
     showMessage($("cmp-message"), null);
     $("cmp-run").disabled = true;
-    const th = (k) => bodies[k].entropic.thermostat || null;
-    const live = { A: { label: "A", tokens: [], thermostat: th("A") },
-                   B: { label: "B", tokens: [], thermostat: th("B") } };
+    const live = { A: { label: "A", tokens: [] }, B: { label: "B", tokens: [] } };
     for (const k of ["A", "B"]) {
       outs[k].replaceChildren();
       outs[k].classList.remove("broken");
@@ -73,7 +71,7 @@ export function setupCompare(card) {
       statsLine($(`cmp-${k.toLowerCase()}-stats`), runs[k]);
     });
     if (problems.length) showMessage($("cmp-message"), "error", problems.join(" "));
-    chart.set(["A", "B"].map((k) => ({ label: k, tokens: runs[k].tokens, thermostat: th(k) })));
+    chart.set(["A", "B"].map((k) => ({ label: k, tokens: runs[k].tokens })));
     last = { bodies, runs };
     $("cmp-png").disabled = $("cmp-json").disabled = false;
   }

@@ -73,8 +73,7 @@ export function setupPlayground(card) {
     bubble(chat ? "user" : "prompt", text);
     const out = bubble("assistant", null);
     const offset = records.length;
-    const thermostat = body.entropic.thermostat || null;
-    const live = { label: "answer", tokens: [], thermostat };
+    const live = { label: "answer", tokens: [] };
     controller = new AbortController();
     send.disabled = true;
     stop.disabled = false;
@@ -105,7 +104,7 @@ export function setupPlayground(card) {
     }
     if (result) {
       last = { body, run: result };
-      chart.set([{ label: "answer", tokens: result.tokens, thermostat }]);
+      chart.set([{ label: "answer", tokens: result.tokens }]);
       statsLine($("pg-stats"), result);
       $("pg-png").disabled = $("pg-json").disabled = false;
     }

@@ -125,6 +125,9 @@ export class TokenCard {
     row("probability", pct(rec.logprob), "card-p");
     row("entropy H", fmt(rec.entropy) + " nats", "card-h");
     row("temperature", rec.temperature === 0 ? "0 (greedy)" : fmt(rec.temperature), "card-t");
+    if (rec.tempered_entropy !== null && rec.tempered_entropy !== undefined) {
+      row("H^T (sampled)", fmt(rec.tempered_entropy) + " nats", "card-ht");
+    }
     const list = document.createElement("ol");
     list.className = "alts";
     for (const alt of rec.top) {

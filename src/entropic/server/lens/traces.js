@@ -1,8 +1,8 @@
-// Per-request traces against token index (uPlot): the model's entropy H_t, the temperature
-// T_t each token was sampled at, the cumulative entropic time tau_t = sum max(0,
-// H_{s-1} - H_s) (design section 2) and, under the thermostat in stabilize mode, the
-// tempered entropy H^T_t it steered. Several runs can be overlaid (Compare). PNG and JSON
-// export.
+// Per-request traces against token index (uPlot): the model's entropy H_t, the tempered
+// entropy H^T_t of the distribution each token was drawn from (what the thermostat steers;
+// the API's entropic.tempered_entropies), the temperature T_t each token was sampled at and
+// the cumulative entropic time tau_t = sum max(0, H_{s-1} - H_s) (design section 2).
+// Several runs can be overlaid (Compare). PNG and JSON export.
 
 const COLOURS = { H: "#1f5fbf", HT: "#8e44ad", T: "#c0392b", tau: "#2e8b57" };
 const DASHES = [undefined, [6, 4], [2, 3]];
@@ -18,31 +18,12 @@ export function cumulativeTau(entropies) {
   return out;
 }
 
-// H^T_t, which the API does not send, recovered from the temperatures it does: in stabilize
-// mode the thermostat sets T_{t+1} = clip(T_t exp(eta (H* - max(H^T_t, h_min))), T_min,
-// T_max) (design section 4), so where the clip did not bind, max(H^T_t, h_min) = H* -
-// ln(T_{t+1} / T_t) / eta. null where T_{t+1} sits at T_min or T_max, for the last token,
-// and for a request without the thermostat in stabilize mode. `th` is the request's
-// entropic.thermostat object.
-export function temperedEntropies(temps, th) {
-  if (!th || (th.mode || "stabilize") !== "stabilize") return temps.map(() => null);
-  const atBound = (t) => Math.abs(t - th.t_min) <= 1e-6 * th.t_min ||
-    Math.abs(t - th.t_max) <= 1e-6 * th.t_max;
-  return temps.map((t, i) => {
-    const next = temps[i + 1];
-    if (next === undefined || !(t > 0) || !(next > 0) || atBound(next)) return null;
-    return th.target_entropy - Math.log(next / t) / th.eta;
-  });
-}
-
-const stabilized = (run) => Boolean(run.thermostat) &&
-  (run.thermostat.mode || "stabilize") === "stabilize";
-
 export class TraceChart {
-  // el: the element the chart fills. runs are {label, tokens, thermostat} (token records;
-  // the request's entropic.thermostat object or null).
+  // el: the element the chart fills (it holds the chart as `el.traceChart`, for the
+  // browser tests and the console). runs are {label, tokens} (token records).
   constructor(el, title) {
     this.el = el;
+    el.traceChart = this;
     this.title = title;
     this.plot = null;
     this.labels = null;
@@ -69,16 +50,15 @@ export class TraceChart {
     const cols = [x];
     for (const r of this.runs) {
       const hs = r.tokens.map((t) => t.entropy), ts = r.tokens.map((t) => t.temperature);
+      const hts = r.tokens.map((t) => t.tempered_entropy);
       const pad = (a) => a.concat(Array(n - a.length).fill(null));
-      cols.push(pad(hs));
-      if (stabilized(r)) cols.push(pad(temperedEntropies(ts, r.thermostat)));
-      cols.push(pad(ts), pad(cumulativeTau(hs)));
+      cols.push(pad(hs), pad(hts), pad(ts), pad(cumulativeTau(hs)));
     }
     return cols;
   }
 
   draw() {
-    const key = this.runs.map((r) => r.label + (stabilized(r) ? "+HT" : "")).join("\u0000");
+    const key = this.runs.map((r) => r.label).join("\u0000");
     if (!this.plot || key !== this.labels) this.build(key);
     this.plot.setData(this.data());
   }
@@ -92,9 +72,8 @@ export class TraceChart {
     this.runs.forEach((r, k) => {
       const tag = many ? ` (${r.label})` : "";
       const dash = DASHES[k % DASHES.length];
-      const lines = [["H_t nats", "nats", COLOURS.H]];
-      if (stabilized(r)) lines.push(["H^T_t nats", "nats", COLOURS.HT]);
-      lines.push(["T_t", "T", COLOURS.T], ["cum. τ nats", "tau", COLOURS.tau]);
+      const lines = [["H_t nats", "nats", COLOURS.H], ["H^T_t nats", "nats", COLOURS.HT],
+                     ["T_t", "T", COLOURS.T], ["cum. τ nats", "tau", COLOURS.tau]];
       for (const [name, scale, colour] of lines) {
         series.push({ label: name + tag, scale, stroke: colour, width: 1.5, dash });
         this.legend.push({ label: name + tag, colour, dash });
@@ -170,13 +149,11 @@ export function downloadJSON(obj, name) {
 // One run as exported: the request body, the tokens with their readings, the totals.
 export function runRecord(label, body, run) {
   const tau = cumulativeTau(run.tokens.map((t) => t.entropy));
-  const ht = temperedEntropies(run.tokens.map((t) => t.temperature),
-    body.entropic && body.entropic.thermostat);
   return {
     label, request: body, finish_reason: run.finish_reason, usage: run.usage,
     entropic: run.final, text: run.text,
     tokens: run.tokens.map((t, i) => ({ index: i + 1, text: t.text, logprob: t.logprob,
-      entropy: t.entropy, tempered_entropy_from_t: ht[i], temperature: t.temperature,
+      entropy: t.entropy, tempered_entropy: t.tempered_entropy, temperature: t.temperature,
       cumulative_tau: tau[i], top: t.top })),
   };
 }
