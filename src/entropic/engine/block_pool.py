@@ -50,10 +50,6 @@ class BlockPool:
         """Blocks published under a hash (in use or free)."""
         return len(self._by_hash)
 
-    def usage(self) -> float:
-        """Fraction of blocks in use."""
-        return self.num_used / self.num_blocks
-
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks (all or nothing): plain ones first, then the least recently
         used cached ones, whose hashes are dropped."""

@@ -106,19 +106,6 @@ class KVCache:
         bounds = torch.stack((keys.amin(2), keys.amax(2)), dim=2)  # [layers, n, 2, kvh, d]
         self.kv.index_copy_(1, ids + off, bounds)
 
-    @property
-    def k(self) -> torch.Tensor:
-        """[num_layers, slots, kv_heads, head_dim] view of the keys."""
-        return self.kv[:, :, 0]
-
-    @property
-    def v(self) -> torch.Tensor:
-        """[num_layers, slots, kv_heads, head_dim] view of the values."""
-        return self.kv[:, :, 1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
 
 
 def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:

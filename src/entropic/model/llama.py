@@ -114,13 +114,6 @@ class DecoderLayer:
     window: int | None = None
     rope: int = 0
 
-    @property
-    def numel(self) -> int:
-        norms = (self.in_norm, self.post_norm, self.q_norm, self.k_norm, self.attn_out_norm,
-                 self.mlp_out_norm)
-        return (sum(n.numel() for n in norms if n is not None) + self.qkv.numel + self.o.numel
-                + self.gate_up.numel + self.down.numel)
-
 
 class LlamaModel:
     """Weights as plain tensors and a functional forward; no nn.Module machinery needed.
@@ -241,13 +234,6 @@ class LlamaModel:
             layer.attn_out_norm = norm("post_attention_layernorm")
             layer.mlp_out_norm = norm("post_feedforward_layernorm")
         return layer
-
-    @property
-    def num_parameters(self) -> int:
-        n = self.embed.numel() + self.norm.numel()
-        if not self.tied:
-            n += self.lm_head.numel
-        return n + sum(layer.numel for layer in self.layers)
 
     def make_kv_cache(self, num_blocks: int, block_size: int, key_bounds: bool = False
                       ) -> KVCache:
