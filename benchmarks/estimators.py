@@ -39,15 +39,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from entropic import LLM, SamplingParams
+from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts
+from entropic.bench.probes import TemperedEntropyProbe
+from entropic.control.estimators import ExactEntropy, make_estimator
+from entropic.control.thermostat import next_temperature
+from entropic.sampling.sampler import entropy_from_logprobs
 
-from entropic import LLM, SamplingParams  # noqa: E402
-from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts  # noqa: E402
-from entropic.bench.probes import TemperedEntropyProbe  # noqa: E402
-from entropic.control.estimators import ExactEntropy, make_estimator  # noqa: E402
-from entropic.control.thermostat import next_temperature  # noqa: E402
-from entropic.sampling.sampler import entropy_from_logprobs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class LogitsProbe:

@@ -28,13 +28,10 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
 
 def _median_us(fns: dict, repeats: int) -> dict[str, float]:
     """Median microseconds per call of each function, calls alternating."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +32,6 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if a.model is None:
-        sys.path.insert(0, str(ROOT / "src"))
         from entropic.model.loader import default_model_path
 
         a.model = default_model_path()

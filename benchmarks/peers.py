@@ -334,8 +334,6 @@ def child_main(a) -> None:
 
 # ---------------------------------------------------------------- parent side
 def build_workload(model: str, a) -> dict:
-    if str(ROOT / "src") not in sys.path:
-        sys.path.insert(0, str(ROOT / "src"))
     from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts
     from entropic.model.tokenizer import Tokenizer
 
@@ -515,7 +513,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         ap.error(f"unknown peers {bad}")
     if a.model is None:
-        sys.path.insert(0, str(ROOT / "src"))
         from entropic.model.loader import default_model_path
 
         a.model = default_model_path()

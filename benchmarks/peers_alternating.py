@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+import peers  # (benchmarks/peers.py: the peer classes and the workload)
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
-
-import peers  # noqa: E402  (benchmarks/peers.py: the peer classes and the workload)
 
 
 def child(a) -> None:
@@ -95,7 +94,6 @@ def main(argv=None) -> None:
     if a.child:
         child(a)
         return
-    sys.path.insert(0, str(ROOT / "src"))
     from entropic.model.loader import default_model_path
 
     a.model = a.model or default_model_path()

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
 PHASES = [  # first match from the innermost frame outwards wins
     ("sampler", ("sampler.py",)),
     ("attention", ("attention.py",)),

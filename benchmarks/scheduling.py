@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from entropic import LLM, SamplingParams
+from entropic.bench.datasets import load_sharegpt_prompts
+from entropic.bench.loadgen import TimedRequest, replay
 
-from entropic import LLM, SamplingParams  # noqa: E402
-from entropic.bench.datasets import load_sharegpt_prompts  # noqa: E402
-from entropic.bench.loadgen import TimedRequest, replay  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -39,11 +39,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from entropic.bench.datasets import load_sharegpt_prompts
+from entropic.bench.loadgen import poisson_offsets
 
-from entropic.bench.datasets import load_sharegpt_prompts  # noqa: E402
-from entropic.bench.loadgen import poisson_offsets  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass

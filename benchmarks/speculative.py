@@ -45,18 +45,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("entropic") is None:
-    sys.path.insert(0, str(ROOT / "src"))
+from entropic import LLM, SamplingParams
+from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_xsum
+from entropic.config import EngineConfig
+from entropic.control.clock import EntropicClock
+from entropic.control.thermostat import Thermostat
+from entropic.engine.engine import LLMEngine
+from entropic.engine.scheduler import ScheduledChunk, SchedulerOutput
+from entropic.speculative import SpeculativeConfig, Speculator
 
-from entropic import LLM, SamplingParams  # noqa: E402
-from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_xsum  # noqa: E402
-from entropic.config import EngineConfig  # noqa: E402
-from entropic.control.clock import EntropicClock  # noqa: E402
-from entropic.control.thermostat import Thermostat  # noqa: E402
-from entropic.engine.engine import LLMEngine  # noqa: E402
-from entropic.engine.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
-from entropic.speculative import SpeculativeConfig, Speculator  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("off", "fixed", "gate")
 CODE_MODULES = ("textwrap", "shlex", "fnmatch", "difflib", "csv", "json.encoder", "calendar",

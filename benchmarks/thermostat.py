@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from entropic import LLM, SamplingParams, ThermostatParams
+from entropic.bench.datasets import chat_prompt_ids
+from entropic.bench.probes import TemperedEntropyProbe
 
-from entropic import LLM, SamplingParams, ThermostatParams  # noqa: E402
-from entropic.bench.datasets import chat_prompt_ids  # noqa: E402
-from entropic.bench.probes import TemperedEntropyProbe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLLAPSE = 0.05
 

@@ -16,19 +16,17 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+import entropic.control.thermostat as thermostat_module
+from entropic import LLM, SamplingParams, ThermostatParams
+from entropic.bench.datasets import chat_prompt_ids
+from entropic.sampling.sampler import entropy_from_logits, tempered_entropy
 
-import entropic.control.thermostat as thermostat_module  # noqa: E402
-from entropic import LLM, SamplingParams, ThermostatParams  # noqa: E402
-from entropic.bench.datasets import chat_prompt_ids  # noqa: E402
-from entropic.sampling.sampler import entropy_from_logits, tempered_entropy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def torch_tempered_entropy(logits, rows, temps, batch):

@@ -29,7 +29,6 @@ Figures (median over --repeats, then ours/transformers):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -41,9 +40,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("entropic") is None:  # run from a checkout without an install
-    sys.path.insert(0, str(ROOT / "src"))
-
 
 def gguf_shape(path: Path) -> dict:
     """Parameter count and KV geometry read from the GGUF header."""
