@@ -3,7 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from entropic.engine.cost import Cost
+
+@dataclass
+class Cost:
+    """Resources one request (or the engine) consumed (engine/cost.py computes them)."""
+
+    flops_linear: float = 0.0
+    flops_attention: float = 0.0
+    kv_bytes_read: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        return self.flops_linear + self.flops_attention
+
+    def add(self, other: "Cost") -> None:
+        self.flops_linear += other.flops_linear
+        self.flops_attention += other.flops_attention
+        self.kv_bytes_read += other.kv_bytes_read
+        self.seconds += other.seconds
 
 
 @dataclass

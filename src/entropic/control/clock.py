@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from entropic.engine.cost import Cost
-from entropic.outputs import EntropicReading
+from entropic.outputs import Cost, EntropicReading
 
 
 def entropic_time(entropies: Sequence[float]) -> float:

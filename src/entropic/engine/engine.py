@@ -11,7 +11,7 @@ import torch
 from entropic.config import EngineConfig, ModelConfig, dtype_name
 from entropic.engine.block_policy import KVBlockPolicy, decode_context_length
 from entropic.engine.block_pool import BlockPool
-from entropic.engine.cost import ChunkWork, Cost, CostModel, dense_work
+from entropic.engine.cost import ChunkWork, CostModel, dense_work
 from entropic.engine.detokenizer import IncrementalDetokenizer
 from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.model_runner import ModelOutput, ModelRunner, verify_rows
@@ -19,7 +19,7 @@ from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import DraftPolicy, ScheduledChunk, Scheduler, SchedulerOutput
 from entropic.model.llama import LlamaModel
-from entropic.outputs import EntropicReading, RequestOutput
+from entropic.outputs import Cost, EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
 from entropic.sampling_params import SamplingParams
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from entropic.engine.cost import Cost
-from entropic.outputs import RequestMetrics, TokenLogprob
+from entropic.outputs import Cost, RequestMetrics, TokenLogprob
 from entropic.sampling_params import SamplingParams
 
 _seq = itertools.count()
