@@ -1,4 +1,5 @@
 """The entropic scheduling policy with a fake runner: ordering, victims, aging, no starvation."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from entropic.config import ModelConfig
@@ -24,9 +25,9 @@ def fake_entropy(history: list[int]) -> float:
 
 def setup(num_blocks, max_num_seqs=4, budget=32, max_wait=8, min_residency=0, **cfg):
     clock = EntropicClock()
-    policy = EntropicPolicy(clock, CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget,
-                            EntropicSchedulingConfig(max_wait=max_wait,
-                                                     min_residency=min_residency, **cfg))
+    policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=max_wait,
+                                                            min_residency=min_residency, **cfg))
+    policy.bind(CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget)
     sched, pool, runner = make_scheduler(num_blocks, max_num_seqs=max_num_seqs, budget=budget,
                                          policy=policy)
     return sched, pool, runner, clock, policy
@@ -210,8 +211,8 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
     "big" outgrows the free blocks, the paused "long" gives up its lowest-I_b blocks
     instead of its whole KV: nothing is recomputed, nothing running is preempted."""
     clock = EntropicClock()
-    policy = EntropicPolicy(clock, CostModel(CFG, 2), 10, 4, 1, 64,
-                            EntropicSchedulingConfig(max_wait=2, min_residency=12))
+    policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=2, min_residency=12))
+    policy.bind(CostModel(CFG, 2), 10, 4, 1, 64)
     pool = BlockPool(10)
     pruner = EntropicBlockPruner(PruningConfig(score="mass", min_keep_fraction=0.25,
                                                min_blocks=2, recent_blocks=1, evict=True,
@@ -242,3 +243,9 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
     assert sched.num_evicted_blocks >= 1
     assert arrivals[3].metrics.num_preemptions == 0
     assert pool.num_free == 10
+
+
+def test_an_unbound_policy_says_so():
+    policy = EntropicPolicy(EntropicClock())
+    with pytest.raises(RuntimeError, match="not bound to an engine"):
+        policy.order([], [], 0)

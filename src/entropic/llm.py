@@ -15,7 +15,6 @@ from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.control.estimators import EntropyEstimate, choose_estimator, make_estimator
 from entropic.control.thermostat import Thermostat
-from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
 from entropic.kernels import check_kernels
@@ -129,11 +128,7 @@ class LLM:
         self.thermostat = Thermostat(self.entropy_estimate)
         self.clock = EntropicClock()
         if policy is None and scheduling == "entropic":
-            elem = torch.empty((), dtype=torch_dtype).element_size()
-            policy = EntropicPolicy(self.clock, CostModel(ckpt.config, elem),
-                                    config.resolve_num_blocks(ckpt.config, torch_dtype),
-                                    block_size, max_num_seqs, max_num_batched_tokens,
-                                    scheduling_config)
+            policy = EntropicPolicy(self.clock, scheduling_config)  # the engine binds it
         self.pruner = EntropicBlockPruner(pruning, block_size) if pruning is not None else None
         self.speculator = (Speculator(spec, make_proposer(spec, self.tokenizer, device))
                            if spec is not None else None)

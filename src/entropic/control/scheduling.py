@@ -85,15 +85,19 @@ class EntropicPolicy:
 
     EPS = 1e-6
 
-    def __init__(self, clock: EntropicClock, cost_model: CostModel, num_blocks: int,
-                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, clock: EntropicClock,
                  config: EntropicSchedulingConfig | None = None) -> None:
         self.clock = clock
+        self.config = config or EntropicSchedulingConfig()
+        self.cost: CostModel | None = None  # the rest is the engine's, given by bind()
+
+    def bind(self, cost_model: CostModel, num_blocks: int, block_size: int,
+             max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """The engine's cost model and KV geometry (LLMEngine calls this once)."""
         self.cost = cost_model
         self.block_size = block_size
         self.fair_share = max(1.0, num_blocks / max_num_seqs)
         self.budget = max_num_batched_tokens
-        self.config = config or EntropicSchedulingConfig()
         self.unit_cost = cost_model.linear_per_token + cost_model.lm_head_per_row
 
     # ---- the priority -------------------------------------------------------------------
@@ -129,6 +133,9 @@ class EntropicPolicy:
     # ---- the policy hooks --------------------------------------------------------------
     def order(self, running: Sequence[Request], waiting: Sequence[Request],
               step: int) -> list[Request]:
+        if self.cost is None:
+            raise RuntimeError("EntropicPolicy is not bound to an engine: LLMEngine binds it; "
+                               "alone, call bind(cost_model, num_blocks, ...) first")
         everyone = list(running) + list(waiting)
         aged = sorted((r for r in everyone if self.aged(r, step)),
                       key=lambda r: (-self.age(r, step), r.seq_no))

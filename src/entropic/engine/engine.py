@@ -153,6 +153,9 @@ class LLMEngine:
                                     WEIGHT_BYTES.get(getattr(model, "quantization", None)))
         if block_policy is not None:
             block_policy.bind(self.cost_model)
+        if hasattr(policy, "bind"):  # a policy that prices requests, on this engine's terms
+            policy.bind(self.cost_model, self.num_blocks, config.block_size,
+                        config.max_num_seqs, config.max_num_batched_tokens)
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     # ---- requests ---------------------------------------------------------------------

@@ -4,7 +4,9 @@ The scheduler core asks a policy three questions each step: in which order to se
 unfinished requests (admission of waiting ones, and which running ones get tokens when the
 budget binds), whom to preempt when KV blocks run out, and whether a waiting request may
 displace a running one when slots or blocks are full. With the default (`FCFSPolicy`) the
-engine is a plain first-come-first-served engine.
+engine is a plain first-come-first-served engine. A policy that prices requests may also
+define `bind(cost_model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)`:
+the engine calls it once with its own cost model and KV geometry.
 """
 from __future__ import annotations
 
