@@ -2,7 +2,6 @@
 levels agreeing with each other, and each level's code using only its own instructions."""
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from entropic import kernels
+from entropic.kernels.backend import TORCH, select_backend
 
 kernels.load()
 E = torch.ops.entropic
@@ -71,11 +71,10 @@ def test_entropic_isa_forces_the_level_at_load():
 
 
 def test_the_generic_level_refuses_the_quantized_and_prefill_kernels_clearly():
-    from entropic.model.attention import native_prefill_supported
-    from entropic.model.linear import native_int4_available
     with kernels.forced_isa("generic"):
-        assert not native_int4_available()
-        assert not native_prefill_supported(torch.bfloat16, 64)
+        backend = select_backend("native", "cpu", torch.bfloat16, 64)
+        assert backend.native and backend.isa == "generic"
+        assert not backend.quantized_linear and not backend.prefill_attention
         with pytest.raises(RuntimeError, match="generic level has no quantized linears"):
             E.int8_linear(torch.zeros(1, 64, dtype=torch.bfloat16),
                           torch.zeros(4 * 64, dtype=torch.uint8), torch.ones(4))
@@ -217,12 +216,17 @@ def test_each_level_uses_only_its_own_instructions(level):
         assert "%ymm" not in code
 
 
-def test_the_model_records_its_level(llm_bf16_small=None):
-    from entropic.model.attention import native_prefill_supported
+def test_the_backend_records_its_level_and_what_it_runs():
     for lv in VECTOR_LEVELS:
         with kernels.forced_isa(lv):
-            assert native_prefill_supported(torch.bfloat16, 64)
-    assert not math.isnan(0.0)
+            b = select_backend(None, "cpu", torch.bfloat16, 64)
+            assert (b.name, b.isa, b.prefill_attention, b.quantized_linear) == (
+                "native", lv, True, True)
+            assert not select_backend(None, "cpu", torch.float32, 64).prefill_attention
+            assert not select_backend(None, "cpu", torch.bfloat16, 80).prefill_attention
+    assert select_backend("torch", "cpu", torch.float16, 64) == TORCH and not TORCH.native
+    with pytest.raises(ValueError, match="support float32 and bfloat16"):
+        select_backend("native", "cpu", torch.float16, 64)
 
 
 def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_load(tmp_path):

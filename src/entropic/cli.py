@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from entropic.cli_args import add_load_args
-from entropic.speculative.config import add_speculative_args, speculative_from_args
+from entropic.cli_args import add_load_args, load_kwargs, loaded_line
+from entropic.speculative.config import add_speculative_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,14 +30,8 @@ def _build(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              kernels=args.kernels, progress=True, max_model_len=None,
-              enable_prefix_caching=args.enable_prefix_caching,
-              speculative_config=speculative_from_args(args),
-              entropy_estimator=args.entropy_estimator)
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
-          f"entropy {llm.entropy_estimator_reason}",
-          file=sys.stderr, flush=True)
+    llm = LLM(**load_kwargs(args), progress=True, max_model_len=None)
+    print(loaded_line(llm), file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed)

@@ -5,6 +5,22 @@ from __future__ import annotations
 import argparse
 
 
+def load_kwargs(args: argparse.Namespace) -> dict:
+    """The `LLM(...)` arguments of the options add_load_args added (speculative ones too)."""
+    from entropic.speculative.config import speculative_from_args
+
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                kernels=args.kernels, enable_prefix_caching=args.enable_prefix_caching,
+                entropy_estimator=args.entropy_estimator,
+                speculative_config=speculative_from_args(args))
+
+
+def loaded_line(llm) -> str:
+    """What was loaded and how, as `generate`, `chat` and `serve` print it."""
+    return (f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
+            f"entropy {llm.entropy_estimator_reason}")
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="local GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")

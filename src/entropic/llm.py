@@ -117,7 +117,7 @@ class LLM:
         # chosen otherwise) comes first in the sampler chain, so every law reads it; the
         # thermostat acts only on requests that ask for it; the clock only measures.
         if entropy_estimator == "auto":
-            native = getattr(net, "kernels", "torch") == "native" and device == "cpu"
+            native = net.backend.native
             entropy_estimator, self.entropy_estimator_reason = choose_estimator(
                 ckpt.config.vocab_size, native, min(max_num_seqs, 64), device)
         else:

@@ -18,6 +18,7 @@ from entropic.engine.model_runner import ModelOutput, ModelRunner, verify_rows
 from entropic.engine.policy import SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import DraftPolicy, ScheduledChunk, Scheduler, SchedulerOutput
+from entropic.kernels.backend import TORCH
 from entropic.model.llama import LlamaModel
 from entropic.outputs import Cost, EntropicReading, RequestOutput
 from entropic.sampling.sampler import LogitsProcessor, Sampler
@@ -135,7 +136,8 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks)
         # what besides the tokens decides a block's KV: one engine has one model and dtype
         # (and no LoRA); named anyway, so that hashes never mean two things
-        salt = f"{mc!r}|{dtype_name(model.dtype)}|{getattr(model, 'kernels', 'torch')}"
+        backend = getattr(model, "backend", TORCH)  # a test's stand-in model: torch's
+        salt = f"{mc!r}|{dtype_name(model.dtype)}|{backend.name}"
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching,
                                  salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -145,7 +147,7 @@ class LLMEngine:
         self.speculator = speculator
         self.runner = ModelRunner(
             model, self.num_blocks, config.block_size,
-            Sampler(processors, native=getattr(model, "kernels", "torch") == "native"),
+            Sampler(processors, native=backend.native),
             key_bounds=block_policy is not None and block_policy.wants_key_bounds)
         self.stats = EngineStats(dtype=dtype_name(model.dtype), isa=getattr(model, "isa", None))
         self.observer = observer

@@ -12,6 +12,7 @@ from entropic.engine.block_policy import decode_context_length
 from entropic.engine.block_pool import cdiv
 from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
                                        ScheduledChunk)
+from entropic.kernels.backend import TORCH
 from entropic.model.attention import (AttentionMetadata, DecodeGroup, KVCache, PrefillChunk,
                                       QueryAwareSelection)
 from entropic.model.llama import LlamaModel
@@ -154,7 +155,7 @@ class ModelRunner:
         their longest; record the order (and its inverse) unless it is the batch order.
         A row that attends selected blocks only has them gathered, nothing else."""
         ctxs = [self._decode_context(c) for c in decodes]
-        if getattr(self.model, "kernels", "torch") == "native" and decodes:
+        if getattr(self.model, "backend", TORCH).native and decodes:
             # The native kernel reads each row's own slots up to its own length: one group
             # in batch order, no sorting, no padding mask.
             lengths = [n for _, n in ctxs]

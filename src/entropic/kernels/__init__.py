@@ -21,7 +21,8 @@ They are compiled on first use with the machine's C++ compiler (torch.utils.cpp_
 ~1-2 minutes; the levels need GCC), and the build is cached under `~/.cache/entropic/kernels/`
 (or `$ENTROPIC_KERNELS_DIR`) in a folder keyed by the source, the torch version, the flags and
 the CPU's flags, so a cache shared between different CPUs never runs code built for another
-one. `LLM(kernels="torch")` runs the plain PyTorch ops instead (no compiler needed).
+one. `LLM(kernels="torch")` runs the plain PyTorch ops instead (no compiler needed); a model
+holds its choice as a `backend.KernelBackend`.
 """
 from __future__ import annotations
 

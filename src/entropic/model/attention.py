@@ -162,8 +162,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     """q: [T, H, D]; kv: [T, 2, KVH, D] new keys and values; kv_cache: [slots, 2, KVH, D] of
     this layer. Returns [T, H * D]. `native`: the new K/V are already in the cache
     (`entropic.rope_kv_`) and decode rows run `entropic.paged_decode_attention`;
-    `native_prefill` (with `native`, where `native_prefill_supported` says so): prefill chunks
-    run `entropic.prefill_attention`, else the SDPA path below."""
+    `native_prefill` (with `native`, where the model's `KernelBackend.prefill_attention`
+    says so): prefill chunks run `entropic.prefill_attention`, else the SDPA path below."""
     if not native:
         kv_cache.index_copy_(0, meta.slot_mapping, kv)
     parts = []
@@ -176,13 +176,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     else:
         parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def native_prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `entropic.prefill_attention` runs here: bf16, head_dim a multiple of 64, and
-    native kernels at an ISA level that has it (AVX2 or better; they must be loaded)."""
-    return (dtype == torch.bfloat16 and head_dim % 64 == 0
-            and bool(torch.ops.entropic.prefill_attention_supported()))
 
 
 def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

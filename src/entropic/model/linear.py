@@ -236,12 +236,6 @@ class NativeInt8Linear(Linear):
         return y if self.bias is None else y.add_(self.bias)
 
 
-def native_int4_available() -> bool:
-    """Whether entropic's int4/int8 kernels run here: native kernels at an ISA level that
-    has them (AVX2 or better; `entropic.kernels.isa()`)."""
-    return bool(torch.ops.entropic.int4_linear_supported())
-
-
 class Int8Linear(Linear):
     """y = x @ W.T (+ bias) with W as int8 per output channel (symmetric, one scale per
     row), through torch's CPU weight-only int8 kernel: 1 byte per parameter."""

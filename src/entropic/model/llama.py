@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from entropic import kernels as native
 from entropic.config import ModelConfig, RopeScaling
-from entropic.model.attention import (AttentionMetadata, KVCache, native_prefill_supported,
-                                      paged_attention, window_metadata)
+from entropic.kernels.backend import select_backend
+from entropic.model.attention import AttentionMetadata, KVCache, paged_attention, window_metadata
 from entropic.model.linear import (Int8Linear, Linear, NativeInt8Linear, check_quantization,
-                                   make_linear, native_int4_available)
+                                   make_linear)
 from entropic.model.quant import Int4Blocks
 
 
@@ -133,25 +132,17 @@ class LlamaModel:
                  packed_linears: bool = True, quantization: str | None = None,
                  kernels: str | None = None) -> None:
         check_quantization(quantization, dtype, device)
-        kernels = native.default_kernels(device) if kernels is None else kernels
-        native.check_kernels(kernels, device)
-        if kernels == "native":
-            if dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"kernels='native' support float32 and bfloat16, not "
-                                 f"{str(dtype).removeprefix('torch.')}; use kernels='torch'")
-            native.load()
-        self.kernels = kernels
+        self.backend = select_backend(kernels, device, dtype, config.head_dim)
+        self.kernels = self.backend.name
         # the ISA level the native kernels run at (entropic.kernels.isa()), None with torch's
-        self.isa = native.isa() if kernels == "native" else None
+        self.isa = self.backend.isa
         # decided once: prefill chunks on entropic's bf16 prefill attention, or on SDPA
-        self.native_prefill = (kernels == "native"
-                               and native_prefill_supported(dtype, config.head_dim))
+        self.native_prefill = self.backend.prefill_attention
         # weight-only int4/int8: entropic's kernels at every ISA level that has them (AVX2 or
         # better), else torch's
         self.quant_kernel = None
         if quantization is not None:
-            self.quant_kernel = ("entropic" if kernels == "native" and native_int4_available()
-                                 else "torch")
+            self.quant_kernel = "entropic" if self.backend.quantized_linear else "torch"
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -189,7 +180,7 @@ class LlamaModel:
         self.plain_layers = fam.plain and not self.windows  # Llama's own layer, `_layer`
         self.embed_scale = (torch.tensor(math.sqrt(c.hidden_size), dtype=dtype, device=self.device)
                             if fam.scaled_embedding else None)
-        native_ops = kernels == "native"
+        native_ops = self.backend.native
         self._norm = torch.ops.entropic.rms_norm if native_ops else rms_norm
         if fam.activation == "silu":
             self._act_mul = torch.ops.entropic.silu_mul if native_ops else _silu_mul
@@ -260,7 +251,7 @@ class LlamaModel:
                 x = self._layer_general(layer, x, ropes[layer.rope], metas[layer.window],
                                         kv.kv[i])
         x = x[logits_indices]
-        if self.kernels == "native":
+        if self.backend.native:
             x = torch.ops.entropic.rms_norm(x, self.norm, self.config.rms_norm_eps)
         else:
             x = rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -275,7 +266,7 @@ class LlamaModel:
         """One decoder layer; updates x (the residual stream, [T, hidden]) in place."""
         c = self.config
         T = x.shape[0]
-        if self.kernels == "native":
+        if self.backend.native:
             ops = torch.ops.entropic
             qkv = w.qkv(ops.rms_norm(x, w.in_norm, c.rms_norm_eps))
             # q and k rotated in place, k and v written to their cache slots: one call
@@ -306,7 +297,7 @@ class LlamaModel:
         window); updates x in place. `meta` is already this layer's window's."""
         c, eps, norm = self.config, self.config.rms_norm_eps, self._norm
         T = x.shape[0]
-        native = self.kernels == "native"
+        native = self.backend.native
         qkv = w.qkv(norm(x, w.in_norm, eps))
         if w.q_norm is not None:  # per head, in place in the qkv buffer, before RoPE
             q = qkv[:, :self.q_size].view(T, c.num_heads, c.head_dim)

@@ -9,8 +9,8 @@ import argparse
 import os
 import sys
 
-from entropic.cli_args import add_load_args
-from entropic.speculative.config import add_speculative_args, speculative_from_args
+from entropic.cli_args import add_load_args, load_kwargs, loaded_line
+from entropic.speculative.config import add_speculative_args
 
 API_KEY_ENV = "ENTROPIC_API_KEY"
 # After the engine loop dies the server answers for this long (503s, /health saying why)
@@ -143,19 +143,13 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-              kernels=args.kernels, enable_prefix_caching=args.enable_prefix_caching,
-              max_num_seqs=args.max_num_seqs,
+    llm = LLM(**load_kwargs(args), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, block_size=args.block_size,
               num_kv_blocks=args.num_kv_blocks, kv_cache_gib=args.kv_cache_gib,
               scheduling=args.scheduling,
-              pruning=PruningConfig() if args.pruning else None,
-              speculative_config=speculative_from_args(args),
-              entropy_estimator=args.entropy_estimator)
-    print(f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
-          f"entropy {llm.entropy_estimator_reason}",
-          file=sys.stderr, flush=True)
+              pruning=PruningConfig() if args.pruning else None)
+    print(loaded_line(llm), file=sys.stderr, flush=True)
 
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -29,7 +29,7 @@ class DraftModelProposer:
 
     def __init__(self, model, num_blocks: int, block_size: int = 16) -> None:
         self.runner = ModelRunner(model, num_blocks, block_size, Sampler(
-            native=getattr(model, "kernels", "torch") == "native"))
+            native=model.backend.native))
         self.kv = KVCacheManager(BlockPool(num_blocks), block_size)
         self.max_len = model.config.max_position
         self._cached: dict[str, list[int]] = {}  # tokens whose KV the draft cache holds

@@ -16,7 +16,7 @@ from entropic.engine.request import Request
 from entropic.outputs import SpeculationReading
 from entropic.speculative.config import SpeculativeConfig
 from entropic.speculative.gate import (EXPLORE_TRIES, AcceptanceModel, Candidate, StepTimes,
-                                       bin_label, entropy_bin, plan)
+                                       bin_label, plan)
 from entropic.speculative.ngram import NgramProposer
 
 
