@@ -1,4 +1,7 @@
-"""entropic-vllm in vLLM's OpenAI server (the CPU build): validation, the entropic fields."""
+"""entropic-vllm in vLLM's OpenAI server (the CPU build): validation, the entropic fields,
+and two engines behind vLLM's data parallelism (one core each): seeded outputs and their
+temperatures do not depend on the engine that served them."""
+import asyncio
 import os
 import signal
 import socket
@@ -25,10 +28,11 @@ def server(vllm_python, hf_dir, tmp_path_factory):
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--seed", "0",
            "--max-model-len", "1024", "--max-num-seqs", "8", "--no-enable-prefix-caching",
-           "--kv-cache-memory-bytes", str(64 << 20),
+           "--kv-cache-memory-bytes", str(64 << 20), "--data-parallel-size", "2",
            "--logits-processors", "entropic_vllm:ThermostatLogitsProcessor",
            "--worker-extension-cls", "entropic_vllm.traces.TraceWorkerExtension"]
-    env = dict(vllm_env(), VLLM_PLUGINS="entropic")
+    # two engines, one core each (vLLM's CPU binding: one core list per data-parallel rank)
+    env = dict(vllm_env(), VLLM_PLUGINS="entropic", VLLM_CPU_OMP_THREADS_BIND="0|1")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -116,3 +120,37 @@ def test_chat_responses_carry_the_fields_and_plain_requests_do_not(server, run_s
     choice = r.json()["choices"][0]
     assert "entropic" not in choice
     assert choice["token_ids"] == base["token_ids"]
+
+
+def test_data_parallel_replicas_give_the_same_seeded_output(server):
+    """Eight identical seeded thermostat requests at once: vLLM's load balancer spreads them
+    over both engines (its per-engine counters say so), and every response has the same
+    tokens and the same per-token temperatures, each with its trace."""
+    url, model = server
+
+    def served() -> dict[str, float]:
+        counts: dict[str, float] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("vllm:request_success_total{"):
+                engine = line.split('engine="')[1].split('"')[0]
+                counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+        return counts
+
+    body = {"model": model, "prompt": "Write a haiku about autumn:", "max_tokens": 16,
+            "temperature": 1.0, "seed": 7, "ignore_eos": True, "return_token_ids": True,
+            "vllm_xargs": TH}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*[c.post(f"{url}/v1/completions", json=body)
+                                          for _ in range(8)])
+    before = served()
+    replies = asyncio.run(burst())
+    after = served()
+    per_engine = {e: after[e] - before.get(e, 0.0) for e in after}
+    assert len(per_engine) == 2 and all(v >= 1 for v in per_engine.values()), per_engine
+    choices = [r.json()["choices"][0] for r in replies]
+    assert all(r.status_code == 200 for r in replies)
+    assert all(c["token_ids"] == choices[0]["token_ids"] for c in choices)
+    assert all(c["entropic"]["temperatures"] == choices[0]["entropic"]["temperatures"]
+               for c in choices)

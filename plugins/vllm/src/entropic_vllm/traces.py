@@ -50,5 +50,12 @@ def fetch_traces(llm: Any, keys: list[str]) -> dict[str, dict[str, list[float]]]
 
 async def fetch_traces_async(engine_client: Any,
                              keys: list[str]) -> dict[str, dict[str, list[float]]]:
-    """The same from the OpenAI server's engine client."""
-    return _merge(await engine_client.collective_rpc(METHOD, args=(list(keys),)))
+    """The same from the OpenAI server's engine client. With data parallelism a request ran
+    on one of several engines, and `collective_rpc` reaches only the first: ask each engine
+    (its core client's `call_utility_all_async`, one result list per engine)."""
+    core = getattr(engine_client, "engine_core", None)
+    ask_all = getattr(core, "call_utility_all_async", None)
+    if ask_all is None:
+        return _merge(await engine_client.collective_rpc(METHOD, args=(list(keys),)))
+    per_engine = await ask_all("collective_rpc", METHOD, None, (list(keys),), None)
+    return _merge([r for workers in per_engine for r in workers])
