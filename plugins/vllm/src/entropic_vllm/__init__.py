@@ -1,0 +1,12 @@
+"""entropic's control laws on vLLM (docs/vllm.md in the entropic repository).
+
+- `entropic_vllm.thermostat.ThermostatLogitsProcessor`: the thermostat as a vLLM V1 logits
+  processor (`vllm serve MODEL --logits-processors entropic_vllm:ThermostatLogitsProcessor`);
+- `entropic_vllm.endpoint.EntropicEndpoint`: an endpoint plugin (`VLLM_PLUGINS=entropic`)
+  that adds each token's temperature and entropy to completion responses;
+- `entropic_vllm.traces.fetch_traces`: the same numbers for offline `vllm.LLM` users.
+"""
+from entropic_vllm.params import parse_thermostat
+from entropic_vllm.thermostat import ThermostatLogitsProcessor
+
+__all__ = ["ThermostatLogitsProcessor", "parse_thermostat"]

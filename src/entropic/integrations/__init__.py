@@ -1,0 +1,1 @@
+"""The control laws inside other engines' sampling loops (transformers' `generate()`)."""
