@@ -57,6 +57,10 @@ class Thermostat:
         self._pending: dict[int, tuple[str, float, float]] = {}  # row -> (id, next T, H)
         self.last_controlled_entropy: dict[str, float] = {}
 
+    def temperature(self, request_id: str) -> float | None:
+        """The temperature the request's next row will be sampled at (None: not controlled)."""
+        return self._temps.get(request_id)
+
     def apply(self, logits: torch.Tensor, temperatures: torch.Tensor,
               batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [i for i, p in enumerate(batch.params) if p.thermostat is not None]
