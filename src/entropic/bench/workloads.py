@@ -113,7 +113,16 @@ class WorkItem:
 
 
 def _chat(tokenizer, text: str) -> list[int]:
+    """The request as one user turn of the model's chat template; a model without one (a
+    base model, Gemma 3 270M) continues the raw text instead (`prompt_format`)."""
+    if prompt_format(tokenizer) == "raw":
+        return tokenizer.encode(text + "\n\n")
     return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def prompt_format(tokenizer) -> str:
+    """"chat" where the model has a chat template, else "raw"."""
+    return "chat" if tokenizer.chat_template else "raw"
 
 
 def build_items(tokenizer, spec: WorkloadSpec, max_prompt_tokens: int = 512) -> list[WorkItem]:

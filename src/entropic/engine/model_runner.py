@@ -138,10 +138,11 @@ class ModelRunner:
 
     def _slot_table(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[rows, length] cache slots of positions 0..length-1 of each row (rows with fewer
-        blocks are padded with block 0: callers mask those positions)."""
+        blocks are padded with block 0: callers mask those positions; so are blocks given
+        back, EVICTED, which lie outside every window that reads the row)."""
         bs = self.block_size
         nb = cdiv(length, bs)
-        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables]
+        padded = [[max(b, 0) for b in t[:nb]] + [0] * (nb - len(t[:nb])) for t in block_tables]
         blocks = torch.tensor(padded, dtype=torch.long, device=self.device)
         offsets = torch.arange(bs, dtype=torch.long, device=self.device)
         return (blocks[:, :, None] * bs + offsets).view(len(block_tables), nb * bs)[:, :length]
