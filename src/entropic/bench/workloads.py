@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from entropic.bench.datasets import (load_aclsum, load_longdocs, load_sharegpt_prompts,
-                                     load_strategyqa, load_xsum)
+                                     load_strategyqa, load_xsum, user_prompt_ids)
 from entropic.bench.loadgen import poisson_offsets
 
 KINDS = ("chat", "xsum", "aclsum", "strategyqa", "longdoc")
@@ -115,9 +115,7 @@ class WorkItem:
 def _chat(tokenizer, text: str) -> list[int]:
     """The request as one user turn of the model's chat template; a model without one (a
     base model, Gemma 3 270M) continues the raw text instead (`prompt_format`)."""
-    if prompt_format(tokenizer) == "raw":
-        return tokenizer.encode(text + "\n\n")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return user_prompt_ids(tokenizer, text)
 
 
 def prompt_format(tokenizer) -> str:
