@@ -26,7 +26,8 @@ are its own; the parent only builds the workload and the table):
 Absent peers are skipped with a message; none is a dependency of the package or its tests.
 
 Workload (the same token ids for every peer): ShareGPT first turns rendered with the model's chat
-template (entropic.bench.datasets.chat_prompt_ids, at most --max-prompt-tokens each); the decode
+template, or as raw text for a model without one such as Gemma 3 270M
+(entropic.bench.datasets.chat_prompt_ids, at most --max-prompt-tokens each); the decode
 prompt is the first of them, N concurrent are the first N; the long prompt joins whole ShareGPT
 prompts up to --prefill-tokens tokens. Greedy, EOS ignored, exactly --new-tokens generated.
 
@@ -334,7 +335,8 @@ def child_main(a) -> None:
 
 # ---------------------------------------------------------------- parent side
 def build_workload(model: str, a) -> dict:
-    from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts
+    from entropic.bench.datasets import (chat_prompt_ids, load_sharegpt_prompts,
+                                         user_prompt_ids)
     from entropic.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
@@ -345,7 +347,7 @@ def build_workload(model: str, a) -> dict:
     text, long_ids = "", []
     for r in load_sharegpt_prompts():  # join whole prompts, skipping any that would overshoot
         cand = (text + "\n\n" + r["prompt"]) if text else r["prompt"]
-        ids = tok.apply_chat_template([{"role": "user", "content": cand}])
+        ids = user_prompt_ids(tok, cand)  # raw text for a model without a chat template
         if len(ids) <= a.prefill_tokens:
             text, long_ids = cand, ids
         if len(long_ids) > a.prefill_tokens - 16:

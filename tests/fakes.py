@@ -21,11 +21,15 @@ class FakeRunner:
     would, and checks on every step that each request's context is intact in the slots
     its block table names: the KV at a position depends on every token before it, so a
     slot shared between requests (prefix caching) is right only if their prefixes agree.
-    `requests` (the scheduler's) gives the true tokens before each chunk."""
+    `requests` (the scheduler's) gives the true tokens before each chunk. With `horizon`
+    (every layer's sliding window) a chunk reads only the positions its queries' windows
+    reach, the earlier ones may be gone; it needs `requests`."""
 
-    def __init__(self, block_size: int, requests: dict | None = None) -> None:
+    def __init__(self, block_size: int, requests: dict | None = None,
+                 horizon: int | None = None) -> None:
         self.block_size = block_size
         self.requests = requests
+        self.horizon = horizon
         self.slots: dict[int, tuple[int, int, int]] = {}
 
     def slot(self, table: list[int], pos: int) -> int:
@@ -36,9 +40,16 @@ class FakeRunner:
         for c in out.chunks:
             assert len(c.block_table) * self.block_size >= c.start_pos + c.num_tokens, \
                 "block table does not cover the chunk"
-            # the context before the chunk, as the slots hold it
+            # the context before the chunk, as the slots hold it (from the first position
+            # a window reaches; the tokens before it as the request has them)
             history, h = [], 17
-            for pos in range(c.start_pos):
+            lo = 0 if self.horizon is None else max(0, c.start_pos - self.horizon + 1)
+            for t in (self.requests[c.request_id].token_ids[:lo] if lo else ()):
+                h = (h * 31 + t) % 1_000_003
+                history.append(t)
+            for pos in range(lo, c.start_pos):
+                assert c.block_table[pos // self.block_size] != EVICTED, \
+                    f"position {pos} inside the window was freed"
                 p, t, hh = self.slots[self.slot(c.block_table, pos)]
                 h = (h * 31 + t) % 1_000_003
                 assert (p, hh) == (pos, h), "KV slot overwritten or shared wrongly"
@@ -57,11 +68,12 @@ class FakeRunner:
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8,
                    budget: int = 32, max_model_len: int = 10_000, eos=(), policy=None,
-                   prefix_caching: bool = False, block_policy=None):
+                   prefix_caching: bool = False, block_policy=None, horizon=None):
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, block_size, prefix_caching)
-    sched = Scheduler(kv, max_num_seqs, budget, max_model_len, eos, policy, block_policy)
-    return sched, pool, FakeRunner(block_size, sched.requests)
+    sched = Scheduler(kv, max_num_seqs, budget, max_model_len, eos, policy, block_policy,
+                      attention_horizon=horizon)
+    return sched, pool, FakeRunner(block_size, sched.requests, horizon)
 
 
 class PrunedFakeRunner:

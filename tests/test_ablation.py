@@ -151,6 +151,7 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
                                        aa_control=False,
                                        num_kv_blocks=64))
     assert raw["configs"] == ["baseline", "thermo", "spec"] and raw["items"] == 3
+    assert raw["prompt_format"] == "chat"  # the default model has a chat template
     s = summarise(raw, n_boot=20)
     paths = report.write(raw, s, tmp_path)
     data = json.loads(paths["json"].read_text())

@@ -55,3 +55,23 @@ def test_ablation_task_data_loads_whole():
     assert load_xsum(5) == xs[:5]
     with pytest.raises(ValueError):
         load_aclsum(17)
+
+
+def test_a_model_without_chat_template_gets_the_raw_text():
+    """Bench prompts: one user turn of the chat template where the model has one, else the
+    raw text and a blank line (a base model continues it)."""
+    from types import SimpleNamespace
+
+    from entropic.bench.datasets import chat_prompt_ids, user_prompt_ids
+    from entropic.bench.workloads import prompt_format
+
+    seen = []
+    base = SimpleNamespace(chat_template=None, encode=lambda t: seen.append(t) or [len(t)])
+    chat = SimpleNamespace(chat_template="{{ messages }}",
+                           apply_chat_template=lambda msgs: [7, len(msgs[0]["content"])])
+    assert user_prompt_ids(base, "Summarize this.") == [len("Summarize this.\n\n")]
+    assert seen == ["Summarize this.\n\n"]
+    assert user_prompt_ids(chat, "Summarize this.") == [7, len("Summarize this.")]
+    assert (prompt_format(base), prompt_format(chat)) == ("raw", "chat")
+    first = load_sharegpt_prompts(1)[0]["prompt"]
+    assert chat_prompt_ids(base, 1, max_tokens=10**6) == [[len(first) + 2]]

@@ -157,6 +157,15 @@ class ModelConfig:
         return family(self.name)
 
     @property
+    def attention_horizon(self) -> int | None:
+        """How far back any layer attends: the sliding window if every layer has one (the
+        KV of positions farther back is never read again), None if some layer attends the
+        whole context (Gemma 3's global layers)."""
+        if len(set(self.sliding_layers)) == self.num_layers:
+            return self.sliding_window
+        return None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, at 2 bytes (bf16) per element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
@@ -175,6 +184,9 @@ class EngineConfig:
     # share the KV of full blocks between requests with the same prefix
     # (docs/prefix_caching.md)
     enable_prefix_caching: bool = True
+    # give back a request's blocks older than every layer's sliding window (only on models
+    # whose every layer has one: Mistral, Phi-3; docs/windows.md)
+    free_outside_window: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -194,6 +206,9 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, "
                             f"got {self.enable_prefix_caching!r}")
+        if not isinstance(self.free_outside_window, bool):
+            raise TypeError(f"free_outside_window must be a bool, "
+                            f"got {self.free_outside_window!r}")
 
     def resolve_num_blocks(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """Number of KV blocks: given directly, or derived from the GiB budget."""

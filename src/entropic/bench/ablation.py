@@ -27,7 +27,7 @@ import torch
 from entropic.bench.loadgen import TimedRequest, replay
 from entropic.bench.probes import TemperedEntropyProbe
 from entropic.bench.workloads import (KINDS, REGIMES, WorkItem, WorkloadSpec, build_items,
-                                      timed)
+                                      prompt_format, timed)
 
 PAPER_LAYERS = ("sched", "prune", "thermo")  # macro, meso, micro
 LAYERS = (*PAPER_LAYERS, "spec")
@@ -243,4 +243,5 @@ def run_ablation(opts: AblationOptions) -> dict:
             "items": len(items), "kinds": {k: sum(i.kind == k for i in items)
                                            for k in KINDS if any(i.kind == k for i in items)},
             "prompt_tokens": sum(len(i.prompt_ids) for i in items),
+            "prompt_format": prompt_format(tokenizer),
             "runs": runs, "wall_seconds": time.perf_counter() - t_start}

@@ -77,11 +77,20 @@ def _read_jsonl(src: Path, n: int | None) -> list[dict]:
     return rows
 
 
+def user_prompt_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user turn of the model's chat template; a model without one (a base
+    model, Gemma 3 270M) continues the raw text instead."""
+    if not tokenizer.chat_template:
+        return tokenizer.encode(text + "\n\n")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 def chat_prompt_ids(tokenizer, n: int, max_tokens: int = 512) -> list[list[int]]:
-    """The first n ShareGPT first turns, chat-templated to token ids, of at most max_tokens."""
+    """The first n ShareGPT first turns, chat-templated to token ids (raw text for a model
+    without a template), of at most max_tokens."""
     out: list[list[int]] = []
     for rec in load_sharegpt_prompts():
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": rec["prompt"]}])
+        ids = user_prompt_ids(tokenizer, rec["prompt"])
         if len(ids) <= max_tokens:
             out.append(ids)
         if len(out) == n:

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 
 from entropic.bench.datasets import (load_aclsum, load_longdocs, load_sharegpt_prompts,
-                                     load_strategyqa, load_xsum)
+                                     load_strategyqa, load_xsum, user_prompt_ids)
 from entropic.bench.loadgen import poisson_offsets
 
 KINDS = ("chat", "xsum", "aclsum", "strategyqa", "longdoc")
@@ -113,7 +113,14 @@ class WorkItem:
 
 
 def _chat(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    """The request as one user turn of the model's chat template; a model without one (a
+    base model, Gemma 3 270M) continues the raw text instead (`prompt_format`)."""
+    return user_prompt_ids(tokenizer, text)
+
+
+def prompt_format(tokenizer) -> str:
+    """"chat" where the model has a chat template, else "raw"."""
+    return "chat" if tokenizer.chat_template else "raw"
 
 
 def build_items(tokenizer, spec: WorkloadSpec, max_prompt_tokens: int = 512) -> list[WorkItem]:

@@ -81,6 +81,8 @@ class EngineStats:
     decode_blocks_live: int = 0
     decode_blocks_attended: int = 0
     blocks_evicted: int = 0
+    # blocks given back because they lay before every layer's sliding window
+    blocks_freed_outside_window: int = 0
     # prefix cache, in tokens: of the tokens of admitted requests looked up (queries),
     # those found computed already (hits); vLLM counts the same
     prefix_cache_queries: int = 0
@@ -142,7 +144,8 @@ class LLMEngine:
                                  salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids, policy, block_policy,
-                                   speculator)
+                                   speculator,
+                                   mc.attention_horizon if config.free_outside_window else None)
         self.block_policy = block_policy
         self.speculator = speculator
         self.runner = ModelRunner(
@@ -392,6 +395,7 @@ class LLMEngine:
             except Exception as e:
                 failed.append(self._fail(c.request_id, e, req))
         self.stats.blocks_evicted = self.scheduler.num_evicted_blocks
+        self.stats.blocks_freed_outside_window = self.scheduler.num_window_freed_blocks
         return failed
 
     def _observe_chunk(self, c: ScheduledChunk, req: Request, result: ModelOutput) -> None:

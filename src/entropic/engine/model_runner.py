@@ -92,6 +92,10 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.device = model.device
         self.keep_logits = False  # tests read raw logits through this switch
+        self.windows_in_model = bool(getattr(model, "windows", None))
+        # windowed layers collect no attention mass: shares are over the full-attention ones
+        cfg = model.config
+        self.mass_layers = (cfg.num_layers - len(cfg.sliding_layers)) or cfg.num_layers
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor,
                                                         torch.Tensor, AttentionMetadata,
@@ -135,10 +139,11 @@ class ModelRunner:
 
     def _slot_table(self, block_tables: list[list[int]], length: int) -> torch.Tensor:
         """[rows, length] cache slots of positions 0..length-1 of each row (rows with fewer
-        blocks are padded with block 0: callers mask those positions)."""
+        blocks are padded with block 0: callers mask those positions; so are blocks given
+        back, EVICTED, which lie outside every window that reads the row)."""
         bs = self.block_size
         nb = cdiv(length, bs)
-        padded = [t[:nb] + [0] * (nb - len(t[:nb])) for t in block_tables]
+        padded = [[max(b, 0) for b in t[:nb]] + [0] * (nb - len(t[:nb])) for t in block_tables]
         blocks = torch.tensor(padded, dtype=torch.long, device=self.device)
         offsets = torch.arange(bs, dtype=torch.long, device=self.device)
         return (blocks[:, :, None] * bs + offsets).view(len(block_tables), nb * bs)[:, :length]
@@ -167,7 +172,8 @@ class ModelRunner:
                     if any(c.collect_attention for c in decodes) else None)
             keep, selection = self._budgets(decodes)
             meta.decode_groups.append(DecodeGroup(0, len(decodes), ctx, slots.reshape(-1),
-                                                  None, mass, lens, keep, selection))
+                                                  None, mass, lens, keep, selection,
+                                                  self._positions(decodes, ctx)))
             return
         order = sorted(range(len(decodes)), key=lambda r: ctxs[r][1])
         if order != list(range(len(decodes))):
@@ -183,11 +189,23 @@ class ModelRunner:
                 mask = (torch.arange(ctx, device=self.device) < lens[:, None])[:, None, None, :]
             if any(decodes[r].collect_attention for r in order[start:end]):
                 mass = torch.zeros(end - start, ctx, dtype=torch.float32, device=self.device)
-            keep, selection = self._budgets([decodes[r] for r in order[start:end]])
+            rows = [decodes[r] for r in order[start:end]]
+            keep, selection = self._budgets(rows)
             if selection is not None and lens is None:
                 lens = torch.full((end - start,), ctx, dtype=torch.long, device=self.device)
             meta.decode_groups.append(DecodeGroup(start, end, ctx, slots.reshape(-1), mask, mass,
-                                                  lens, keep, selection))
+                                                  lens, keep, selection,
+                                                  self._positions(rows, ctx)))
+
+    def _positions(self, rows: list[ScheduledChunk], ctx: int) -> torch.Tensor | None:
+        """[rows, ctx] the sequence position of each gathered context slot, if some row
+        attends selected blocks only (windowed layers need them); None otherwise."""
+        if self.windows_in_model and any(c.attend_blocks is not None for c in rows):
+            # block indices instead of block ids in the slot table: positions
+            return self._slot_table([c.attend_blocks if c.attend_blocks is not None
+                                     else list(range(c.start_pos // self.block_size + 1))
+                                     for c in rows], ctx)
+        return None
 
     def _budgets(self, decodes: list[ScheduledChunk]
                  ) -> tuple[torch.Tensor | None, QueryAwareSelection | None]:
@@ -231,7 +249,7 @@ class ModelRunner:
                 continue
             nb = cdiv(g.ctx, bs)
             per_block = torch.nn.functional.pad(g.mass, (0, nb * bs - g.ctx)).view(
-                -1, nb, bs).sum(-1).div_(cfg.num_layers * cfg.num_heads).tolist()
+                -1, nb, bs).sum(-1).div_(self.mass_layers * cfg.num_heads).tolist()
             for k in range(g.start, g.end):
                 c = decodes[order[k]]
                 if c.collect_attention:

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 from entropic.engine.block_policy import BlockBudget, KVBlockPolicy
 from entropic.engine.block_pool import cdiv
-from entropic.engine.kv_manager import KVCacheManager
+from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
 from entropic.outputs import TokenLogprob
@@ -125,8 +125,16 @@ class Scheduler:
                  max_model_len: int, eos_token_ids: Sequence[int] = (),
                  policy: SchedulingPolicy | None = None,
                  block_policy: KVBlockPolicy | None = None,
-                 draft_policy: DraftPolicy | None = None) -> None:
+                 draft_policy: DraftPolicy | None = None,
+                 attention_horizon: int | None = None) -> None:
         self.kv = kv
+        # every layer attends at most this many positions back (its own included): blocks
+        # wholly before that are given back (None: some layer attends everything)
+        if attention_horizon is not None and attention_horizon <= 0:
+            raise ValueError(f"attention_horizon must be positive, got {attention_horizon}")
+        self.attention_horizon = attention_horizon
+        self.num_window_freed_blocks = 0
+        self._window_mark: dict[str, int] = {}  # per request: table entries freed below
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -167,6 +175,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.release(request_id)
+        self._window_mark.pop(request_id, None)
         self._finished_since_step.append(request_id)
         return req
 
@@ -295,9 +304,13 @@ class Scheduler:
         rid = req.request_id
         bp = self.block_policy
         if bp is None:
-            return None, False, None  # nothing is ever evicted without a block policy
+            if n == 1 and self.kv.num_evicted(rid):  # blocks freed outside the window
+                num = start // self.kv.block_size + 1
+                attend = [i for i in self.kv.live_indices(rid) if i < num]
+                return attend, False, None
+            return None, False, None
         if n != 1 or start < req.num_prompt_tokens:
-            if n > 1 and self.kv.num_evicted(rid):
+            if n > 1 and self._evicted_in_window(rid, start):
                 raise RuntimeError(f"request {rid!r}: a {n}-token chunk over evicted blocks")
             return None, False, None
         num = start // self.kv.block_size + 1  # blocks holding positions 0..start
@@ -483,6 +496,7 @@ class Scheduler:
                         and chunk.start_pos >= req.num_prompt_tokens)
             req.num_computed_tokens += chunk.num_tokens
             self._publish(req)
+            self._free_outside_window(req)
             if (chunk.score_targets is not None and prompt_scores
                     and req.prompt_logprobs is not None
                     and len(req.prompt_logprobs) == chunk.start_pos + 1):
@@ -519,6 +533,37 @@ class Scheduler:
             self.finish(req.request_id, status)
         else:
             self.kv.truncate(req.request_id, req.num_tokens)
+            self._free_outside_window(req)
+
+    def _free_outside_window(self, req: Request) -> None:
+        """Give back the request's blocks that no later query reads: the next query sits at
+        p = num_computed_tokens and every layer attends p - horizon + 1 .. p, so a block
+        whose last position is below p - horizon + 1 is dead. Its table entry becomes
+        EVICTED (the pool's reference counting keeps a shared, published block for the
+        others and the prefix cache). The sink block goes too: no layer attends it."""
+        if self.attention_horizon is None:
+            return
+        rid = req.request_id
+        dead = (req.num_computed_tokens - self.attention_horizon + 1) // self.kv.block_size
+        table = self.kv.block_table(rid)
+        # entries below the mark were freed already (unless the table was rebuilt since:
+        # a recompute after preemption)
+        mark = self._window_mark.get(rid, 0)
+        if mark > len(table) or (mark and table[mark - 1] != EVICTED):
+            mark = 0
+        for i in range(mark, min(dead, len(table))):
+            if table[i] != EVICTED:
+                self.kv.evict(rid, i)
+                self.num_window_freed_blocks += 1
+        self._window_mark[rid] = max(mark, min(dead, len(table)))
+
+    def _evicted_in_window(self, request_id: str, start: int) -> bool:
+        """Whether a block that a chunk starting at `start` reads is gone (blocks wholly
+        before every layer's window may be)."""
+        first = 0
+        if self.attention_horizon is not None:
+            first = max(0, start - self.attention_horizon + 1) // self.kv.block_size
+        return any(b == EVICTED for b in self.kv.block_table(request_id)[first:])
 
     def _publish(self, req: Request) -> None:
         """Offer the request's newly computed full blocks to the prefix cache. Only KV

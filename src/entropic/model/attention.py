@@ -10,7 +10,7 @@ All of this is described by an explicit `AttentionMetadata`, never by globals.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,10 @@ class DecodeGroup:
     # in each layer for each KV head by their key-score bound; None: every row is dense.
     keep: torch.Tensor | None = None  # [end - start] int64
     selection: "QueryAwareSelection | None" = None
+    # [end - start, ctx] int64: the sequence position each gathered slot holds, where some
+    # row attends selected blocks only (explicit pruning); None: column j holds position j.
+    # Windowed layers read it to keep exactly the positions inside their window.
+    positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,15 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     Decode rows gather just their window's slots, so both decode paths (SDPA and
     `entropic.paged_decode_attention`) serve it unchanged; a prefill chunk drops the prefix
     before its first query's window and masks the band. Windowed rows collect no attention
-    mass (`DecodeGroup.mass`): the block pruner sees full-attention layers only. A decode row
-    that attends selected blocks only (pruning) keeps the last `window` of its gathered slots."""
+    mass (`DecodeGroup.mass`): the block pruner sees full-attention layers only.
+
+    Pruning never reaches outside a window. A row that attends selected blocks only keeps
+    those of its selected positions inside its window (`DecodeGroup.positions`), never the
+    sink or any other block older than the window. Query-aware selection (`keep`) stays on a
+    group whose every row's context fits the window (there a windowed layer is a full one);
+    a group where some row's context is longer attends each row's whole window in windowed
+    layers: a window is already short, and the bound selection ranks blocks of a
+    block-aligned context, which a window that starts inside a block is not."""
     groups = [_window_decode_group(g, window) for g in meta.decode_groups]
     prefills = [_window_prefill(p, window) for p in meta.prefills]
     return AttentionMetadata(meta.slot_mapping, meta.num_decode, groups, prefills,
@@ -124,18 +135,25 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
 
 
 def _window_decode_group(g: DecodeGroup, window: int) -> DecodeGroup:
-    if g.ctx <= window:
-        return g if g.mass is None else DecodeGroup(g.start, g.end, g.ctx, g.slots, g.mask,
-                                                    None, g.lengths)
+    if g.positions is None and g.ctx <= window:
+        return g if g.mass is None else replace(g, mass=None)
     n = g.end - g.start
     dev = g.slots.device
     lengths = (g.lengths if g.lengths is not None
                else torch.full((n,), g.ctx, dtype=torch.long, device=dev))
-    kept = lengths.clamp(max=window)
+    if g.positions is None:
+        kept = lengths.clamp(max=window)
+    else:
+        # a row's positions ascend, so those inside its window are the last of the row
+        query = g.positions.gather(1, (lengths - 1)[:, None])  # the new token's position
+        valid = torch.arange(g.ctx, device=dev) < lengths[:, None]
+        kept = ((g.positions > query - window) & valid).sum(1)
+        if bool((kept == lengths).all()):  # every selected position is inside the window
+            return replace(g, mass=None, positions=None)
     ctx = int(kept.max())
-    # row r keeps positions lengths[r] - kept[r] .. lengths[r] - 1; padding columns read
-    # positions below lengths[r] too, so every index stays inside the row
-    cols = (lengths - kept)[:, None] + torch.arange(ctx, device=dev)
+    # row r keeps its columns lengths[r] - kept[r] .. lengths[r] - 1; its padding columns
+    # (masked) read any column of the row
+    cols = ((lengths - kept)[:, None] + torch.arange(ctx, device=dev)).clamp_(max=g.ctx - 1)
     slots = g.slots.view(n, g.ctx).gather(1, cols)
     lens = mask = None
     if int(kept.min()) < ctx:
