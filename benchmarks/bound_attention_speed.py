@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from entropic import kernels
+from entropic.bench.machine import cpu_name
 from entropic.model.attention import KVCache
 
 BS, KVH, REP, D = 16, 3, 3, 64
@@ -44,7 +44,7 @@ def main() -> None:
     kv.update_key_bounds(list(range(pool)))
     cache = kv.kv[0]
     rows_out = []
-    print(f"{platform.processor() or platform.machine()}, ISA level {kernels.isa()}, "
+    print(f"{cpu_name()}, ISA level {kernels.isa()}, "
           f"{a.threads} thread(s), {os.getloadavg()[0]:.1f} load")
     print("| rows | context | dense ms | all kept ms (x) | half kept ms (x) | quarter kept ms (x) |")
     print("|---|---|---|---|---|---|")

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +38,7 @@ from pathlib import Path
 import torch
 
 from entropic import LLM, SamplingParams
+from entropic.bench.machine import describe, header
 from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts
 from entropic.bench.probes import TemperedEntropyProbe
 from entropic.control.estimators import ExactEntropy, make_estimator
@@ -81,22 +80,6 @@ class SwitchedProbe(TemperedEntropyProbe):
         if not self.enabled:
             return logits, temperatures
         return super().apply(logits, temperatures, batch)
-
-
-def machine() -> str:
-    """lscpu's model name and the vector ISA flags that matter here."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                 if ln.startswith("Model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines()
-                  if ln.startswith("Flags")), [])
-    keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    cores = next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                  if ln.startswith("CPU(s)")), "?")
-    return f"{name}, {cores} CPUs, {' '.join(keep)}"
 
 
 def capture(model: str | None, n_prompts: int, max_tokens: int
@@ -257,7 +240,7 @@ def main() -> None:
     traj = trajectories(estimators, seqs)
     cost = {b: costs(estimators, logits, b, args.rounds, args.repeats) for b in (1, 64)
             if logits.shape[0] >= b}
-    cpu = machine()
+    cpu = header(describe())
     head = (f"{name}: {logits.shape[0]} next-token distributions (vocab {logits.shape[1]}) "
             f"from {len(seqs)} ShareGPT prompts x {args.max_tokens} greedy tokens; exact H "
             f"mean {exact.mean():.3f}, median {exact.median():.3f} nats. Machine: {cpu}; "

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from entropic.bench.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,8 +224,7 @@ def main(argv=None) -> None:
                         if k not in ("what", "native", "torch"))
         print(f"| {r['what']}{extra} | {r['native']:.1f} | {r['torch']:.1f} | "
               f"{r['torch'] / r['native']:.2f}x |")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"cpu": cpu, "threads": a.threads, "torch": torch.__version__,
                                  "rows": rows}, indent=1))

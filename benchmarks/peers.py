@@ -460,24 +460,6 @@ def markdown(summary: dict, a, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def cpu_description() -> dict:
-    """The CPU model and the flags that decide which kernels are fast (bf16, AMX, VNNI)."""
-    info = {"model": platform.processor() or None, "flags": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and info["model"] in (None, "", platform.machine()):
-            info["model"] = value.strip()
-        if key.strip() == "flags":
-            info["flags"] = sorted(f for f in value.split()
-                                   if f.startswith(("avx512_bf16", "avx512_vnni", "amx", "avx512f")))
-            break
-    return info
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: the engine's embedded model)")
@@ -525,6 +507,8 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
                   load0: tuple) -> tuple[dict, dict, dict]:
     """Summaries, ratios and run facts of the peers finished so far, written to a.out (after
     every peer, so that one that fails or hangs later loses nobody's figures)."""
+    from entropic.bench import machine
+
     summary = {p: summarize(r) for p, r in results.items()}
     meta = {
         "model": a.model, "threads": a.threads, "repeats": a.repeats, "new_tokens": a.new_tokens,
@@ -532,7 +516,7 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
         "batch_prompt_tokens": [len(p) for p in work["prompts"]],
         "prefill_prompt_tokens": len(work["prefill"]), "quick": a.quick,
         "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-        "cpu": cpu_description(),
+        "cpu": {"model": machine.cpu_name(), "flags": machine.cpu_flags()},
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "versions": {p: r["version"] for p, r in results.items()},

@@ -1,7 +1,7 @@
 """Prefill (time to first token) on the real model at each native ISA level, side by side.
 
     python benchmarks/prefill_speed.py [--lengths 512 2041 4096] [--rounds 3] [--threads 2]
-        [--levels amx avx512bf16] [--out results/prefill_speed.json]
+        [--levels amx avx512bf16] [--model PATH] [--out results/prefill_speed.json]
 
 The default model in bf16 with native kernels, prefix caching off, one request of N prompt
 tokens (ShareGPT text, repeated to length) and max_tokens=1, so the time is the prompt's
@@ -15,24 +15,14 @@ and scaled by the layer count), measured at each level.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from entropic import LLM, SamplingParams, kernels
 from entropic.bench.datasets import chat_prompt_ids
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 
 def prompt_of(llm: LLM, n: int) -> list[int]:
@@ -83,10 +73,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2041, 4096])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", nargs="+", default=None,
                     help="native ISA levels to compare (default: amx and avx512bf16 where run)")
-    ap.add_argument("--out", default="results/prefill_speed.json")
+    add_common_args(ap, out="results/prefill_speed.json", quick=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
@@ -95,12 +84,12 @@ def main() -> None:
     if missing or len(levels) < 1:
         raise SystemExit(f"levels {missing or levels} not run here (this CPU: "
                          f"{kernels.isa_levels()})")
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False,
+    llm = LLM(model=a.model, dtype="bfloat16", enable_prefix_caching=False,
               max_model_len=max(a.lengths) + 16)
     cfg = llm.engine.model.config
     layers, shape = cfg.num_layers, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    print(f"{cpu_name()}; levels {levels}; {a.threads} threads; load "
-          f"{os.getloadavg()[0]:.1f} at start")
+    start = describe(a.threads)
+    print(f"{header(start)}; levels compared: {' '.join(levels)}")
     print("One layer's prefill attention alone (cached + new tokens), ms and x the first level:")
     print("| tokens | " + " | ".join(levels) + " |")
     print("|---|" + "---|" * len(levels))
@@ -135,11 +124,8 @@ def main() -> None:
             f"{row[lv]['ttft_s']:.2f} s ({base / row[lv]['ttft_s']:.2f}x; attention "
             f"{row[lv]['attention_s'] / row[lv]['ttft_s']:.0%})" for lv in levels)
         print(f"| {n} | {cells} |", flush=True)
-    out = {"cpu": cpu_name(), "levels": levels, "threads": a.threads,
-           "load_end": os.getloadavg()[0], "kernel": kernel, "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
-    print("wrote", a.out)
+    write_json(a.out, {"machine": start, "load_avg_end": describe(a.threads)["load_avg"],
+                       "levels": levels, "kernel": kernel, "rows": rows})
 
 
 if __name__ == "__main__":

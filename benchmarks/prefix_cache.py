@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import replace
@@ -31,6 +30,7 @@ from dataclasses import replace
 import torch
 
 from entropic import LLM, SamplingParams
+from entropic.bench.machine import cpu_name
 from entropic.bench.datasets import load_sharegpt_prompts
 from entropic.engine.engine import LLMEngine
 
@@ -160,7 +160,7 @@ def main() -> None:
             out["ttft_p90_s"] = med([sorted(x["ttft"])[int(0.9 * len(x["ttft"]))] for x in rs])
         return out
 
-    result = {"machine": f"{platform.processor() or platform.machine()}, "
+    result = {"machine": f"{cpu_name()}, "
                          f"{os.cpu_count()} cores, torch threads {args.threads}",
               "load_avg_end": os.getloadavg(), "dtype": llm.dtype_reason,
               "args": vars(args), "system_prompt_tokens": len(sys_prompts[0])}

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from entropic.bench.machine import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 0.2
 CASES = ("tokenize", "completion", "over_limit")
@@ -278,17 +280,6 @@ def _excess(x, base):
     return None if x is None or base is None else max(0.0, x - base)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _f(x, digits=3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -393,7 +384,7 @@ def main() -> int:
             s.stop()
 
     rows = summarize(trials)
-    meta = {"cpu": cpu_model(), "cpus": os.cpu_count(), "body_bytes": len(payloads["tokenize"][1]),
+    meta = {"cpu": cpu_name(), "cpus": os.cpu_count(), "body_bytes": len(payloads["tokenize"][1]),
             "stream_tokens": args.stream_tokens, "health_interval_s": args.health_interval,
             "baseline_s": args.baseline_s, "repeats": args.repeats,
             "max_body_bytes_supported": supported, "target_s": TARGET_S,

@@ -36,7 +36,6 @@ import ast
 import importlib.util
 import inspect
 import json
-import platform
 import statistics
 import sys
 import textwrap
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from entropic import LLM, SamplingParams
+from entropic.bench.machine import cpu_flags, cpu_name
 from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_xsum
 from entropic.config import EngineConfig
 from entropic.control.clock import EntropicClock
@@ -60,22 +60,6 @@ MODES = ("off", "fixed", "gate")
 CODE_MODULES = ("textwrap", "shlex", "fnmatch", "difflib", "csv", "json.encoder", "calendar",
                 "statistics", "heapq", "bisect", "colorsys", "html", "string", "glob",
                 "posixpath", "base64", "ipaddress", "pprint", "copy")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def cpu_flags() -> list[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
-                    "avx_vnni", "fma")
-            return [f for f in line.split(":", 1)[1].split() if f in keep]
-    return []
 
 
 def _strip_docstrings(src: str) -> str:

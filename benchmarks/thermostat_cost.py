@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 import entropic.control.thermostat as thermostat_module
+from entropic.bench.machine import cpu_name
 from entropic import LLM, SamplingParams, ThermostatParams
 from entropic.bench.datasets import chat_prompt_ids
 from entropic.sampling.sampler import entropy_from_logits, tempered_entropy
@@ -32,16 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def torch_tempered_entropy(logits, rows, temps, batch):
     """H^T with the torch ops, as the thermostat computed it before the native pass."""
     return entropy_from_logits(logits[rows] / temps[:, None])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> float:
@@ -92,7 +82,7 @@ def main() -> None:
         ratio = statistics.median(a / b for a, b in zip(r, rates["fixed T=1.0"]))
         rows.append({"config": name, "median_tok_s": med, "per_round": r,
                      "overhead_vs_fixed": 1 - ratio})
-    print(f"{cpu_model()}, {args.threads} threads, {len(prompts)} rows x {args.max_tokens} "
+    print(f"{cpu_name()}, {args.threads} threads, {len(prompts)} rows x {args.max_tokens} "
           f"tokens, {args.rounds} alternating rounds (default LLM(): {llm.engine.model.dtype})")
     print("| config | decode tok/s (median) | overhead vs fixed T (median of rounds) |")
     print("|---|---:|---:|")
@@ -101,7 +91,7 @@ def main() -> None:
               f"{100 * row['overhead_vs_fixed']:+.1f} % |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads,
+    out.write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads,
                                "rows": len(prompts), "max_tokens": args.max_tokens,
                                "rounds": args.rounds, "baseline_tok_s": base,
                                "results": rows}, indent=2))

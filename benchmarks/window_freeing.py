@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -24,6 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from entropic.bench.machine import cpu_name
 
 
 def build_mistral(folder: Path, window: int, layers: int, vocab: int = 512) -> None:
@@ -115,7 +116,7 @@ def main(argv=None) -> None:
             e = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, free_outside_window=free))
             res["freed" if free else "kept"] = run(e, prompts, a.tokens)
     same = res["freed"].pop("tokens") == res["kept"].pop("tokens")
-    report = {"machine": platform.processor() or platform.machine(), "threads": 1,
+    report = {"machine": cpu_name(), "threads": 1,
               "args": {k: v for k, v in vars(a).items() if k != "out"},
               "identical_tokens": same, **res,
               "gemma3_270m_per_layer_group": [hybrid_gemma3(n) for n in

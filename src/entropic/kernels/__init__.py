@@ -122,6 +122,11 @@ def _build_lock(out: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def is_loaded() -> bool:
+    """Whether load() has run in this process (the ops exist), without loading."""
+    return _loaded
+
+
 def load() -> None:
     """Compile (first time on this machine) and load the kernels; afterwards they are
     `torch.ops.entropic.*`. Raises KernelBuildError with the compiler's message on failure."""
