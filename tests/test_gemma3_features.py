@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from engine_probe import run_capturing_steps
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.engine.block_policy import BlockSelection
 from entropic.engine.engine import LLMEngine
@@ -97,25 +98,6 @@ def test_server_completes_raw_prompts_and_refuses_chat_clearly(gemma, gguf_path)
 
 
 # ---- the thermostat ---------------------------------------------------------------------
-def _sample_steps(gemma, prompts, params, prefix):
-    """Each request's (fp32 logits, temperature sampled at) for every token it sampled."""
-    eng = gemma.engine
-    eng.runner.keep_logits = True
-    steps: dict[str, list] = {}
-    try:
-        for i, p in enumerate(prompts):
-            eng.add_request(f"{prefix}{i}", p, params)
-        while eng.has_unfinished_requests():
-            sched = eng.scheduler.schedule()
-            res = eng.runner.execute(sched)
-            for row, (rid, tok) in enumerate(res.sampled.items()):
-                steps.setdefault(rid, []).append((res.logits[row].clone(), tok.temperature))
-            eng.scheduler.update(sched, res.sampled, 0.0)
-    finally:
-        eng.runner.keep_logits = False
-    return steps
-
-
 def test_thermostat_holds_the_mean_sampled_entropy_at_its_target(gemma):
     """T_{t+1} = clip(T_t exp(eta (H* - H_t^T)), T_min, T_max) on the 262k vocabulary. The
     law integrates the error in log T, so where it does not saturate the tempered entropy
@@ -130,7 +112,7 @@ def test_thermostat_holds_the_mean_sampled_entropy_at_its_target(gemma):
                                               ignore_eos=True)),
                      ("thermo", SamplingParams(max_tokens=24, temperature=t0, seed=1,
                                                ignore_eos=True, thermostat=th))):
-        steps = _sample_steps(gemma, prompts, sp, name)
+        steps = run_capturing_steps(gemma, prompts, sp, name)
         assert sorted(len(v) for v in steps.values()) == [24] * len(prompts)
         temps = [t for v in steps.values() for _, t in v]
         assert all(0.3 - 1e-6 <= t <= 2.0 + 1e-6 for t in temps)
