@@ -92,6 +92,8 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.device = model.device
         self.keep_logits = False  # tests read raw logits through this switch
+        # decode rows on the native kernel (each row's own slots); a stand-in model: torch's
+        self.native_decode = getattr(model, "backend", TORCH).native
         self.windows_in_model = bool(getattr(model, "windows", None))
         # windowed layers collect no attention mass: shares are over the full-attention ones
         cfg = model.config
@@ -160,7 +162,7 @@ class ModelRunner:
         their longest; record the order (and its inverse) unless it is the batch order.
         A row that attends selected blocks only has them gathered, nothing else."""
         ctxs = [self._decode_context(c) for c in decodes]
-        if getattr(self.model, "backend", TORCH).native and decodes:
+        if self.native_decode and decodes:
             # The native kernel reads each row's own slots up to its own length: one group
             # in batch order, no sorting, no padding mask.
             lengths = [n for _, n in ctxs]

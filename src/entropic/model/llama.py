@@ -133,7 +133,6 @@ class LlamaModel:
                  kernels: str | None = None) -> None:
         check_quantization(quantization, dtype, device)
         self.backend = select_backend(kernels, device, dtype, config.head_dim)
-        self.kernels = self.backend.name
         # the ISA level the native kernels run at (entropic.kernels.isa()), None with torch's
         self.isa = self.backend.isa
         # decided once: prefill chunks on entropic's bf16 prefill attention, or on SDPA
