@@ -152,5 +152,8 @@ def test_data_parallel_replicas_give_the_same_seeded_output(server):
     choices = [r.json()["choices"][0] for r in replies]
     assert all(r.status_code == 200 for r in replies)
     assert all(c["token_ids"] == choices[0]["token_ids"] for c in choices)
-    assert all(c["entropic"]["temperatures"] == choices[0]["entropic"]["temperatures"]
-               for c in choices)
+    # the same control law on the same tokens; each replica's logits carry its own batch's
+    # rounding (vLLM is not batch-invariant), so temperatures agree to rounding, not bits
+    first = choices[0]["entropic"]["temperatures"]
+    for c in choices:
+        assert c["entropic"]["temperatures"] == pytest.approx(first, rel=1e-3)
