@@ -32,6 +32,7 @@ import torch
 from entropic import LLM, SamplingParams
 from entropic.bench.machine import cpu_name
 from entropic.bench.datasets import load_sharegpt_prompts
+from entropic.bench.workloads import chat_conversations, shared_system_prompts
 from entropic.engine.engine import LLMEngine
 
 
@@ -111,20 +112,9 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, kv_cache_gib=0.5)
     tok = llm.tokenizer
     recs = load_sharegpt_prompts(500)
-    follow = [r["prompt"][:args.turn_chars] for r in recs[200:]]
-    convs = [[recs[c]["prompt"][:args.first_chars]]
-             + follow[c * (args.turns - 1):(c + 1) * (args.turns - 1)]
-             for c in range(args.conversations)]
-    # the system prompt: ShareGPT text from the end of the file, cut to ~system_tokens
-    sys_ids, i = [], len(recs) - 1
-    while len(sys_ids) < args.system_tokens:
-        sys_ids += tok.encode(recs[i]["prompt"] + "\n")
-        i -= 1
-    system = tok.decode(sys_ids[:args.system_tokens])
-    questions = [r["prompt"][:200] for r in recs[100:100 + args.requests]]
-    sys_prompts = [tok.apply_chat_template([{"role": "system", "content": system},
-                                            {"role": "user", "content": q}])
-                   for q in questions]
+    convs = chat_conversations(recs, args.conversations, args.turns, args.first_chars,
+                               args.turn_chars)
+    sys_prompts = shared_system_prompts(tok, recs, args.requests, args.system_tokens)
 
     # warm-up (first calls of kernels and allocators), so that round 0 is not charged it
     run_batch(fresh_engine(llm, False), sys_prompts[:2], SamplingParams(max_tokens=4), "warm")

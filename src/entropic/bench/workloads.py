@@ -171,3 +171,28 @@ def timed(items: list[WorkItem], rate: float, seed: int) -> list[tuple[float, Wo
     order = list(items)
     rng.shuffle(order)
     return list(zip(poisson_offsets(len(order), rate, rng), order))
+
+
+# ---------------------------------------------------------------- prefix-caching workloads
+def chat_conversations(recs: list[dict], conversations: int, turns: int, first_chars: int,
+                       turn_chars: int) -> list[list[str]]:
+    """User turns of `conversations` multi-turn chats: a ShareGPT first turn cut to
+    first_chars, then turns-1 follow-ups (other prompts, cut to turn_chars: a chat's
+    follow-ups are usually shorter than its opening). `recs` from load_sharegpt_prompts(500)."""
+    follow = [r["prompt"][:turn_chars] for r in recs[200:]]
+    return [[recs[c]["prompt"][:first_chars]] + follow[c * (turns - 1):(c + 1) * (turns - 1)]
+            for c in range(conversations)]
+
+
+def shared_system_prompts(tokenizer, recs: list[dict], requests: int,
+                          system_tokens: int) -> list[list[int]]:
+    """`requests` chat prompts that share one ~system_tokens-token system prompt (ShareGPT
+    text from the end of `recs`), each with its own ShareGPT question (recs[100:])."""
+    sys_ids, i = [], len(recs) - 1
+    while len(sys_ids) < system_tokens:
+        sys_ids += tokenizer.encode(recs[i]["prompt"] + "\n")
+        i -= 1
+    system = tokenizer.decode(sys_ids[:system_tokens])
+    return [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                           {"role": "user", "content": r["prompt"][:200]}])
+            for r in recs[100:100 + requests]]
