@@ -25,7 +25,13 @@ $(VLLM_VENV)/.entropic-ready: tests_vllm/make_venv.sh plugins/vllm/pyproject.tom
 	PYTHON=$(PY) tests_vllm/make_venv.sh "$(VLLM_VENV)" "$(VLLM_SPEC)"
 	touch $@
 
+# The venv's editable entropic and entropic-vllm must be this checkout's (a venv built from
+# another clone keeps pointing there): reinstalled, without dependencies, where they are not.
 vllm-venv: $(VLLM_VENV)/.entropic-ready
+	@$(VLLM_VENV)/bin/python -c "import os, sys, entropic, entropic_vllm; \
+	here = os.path.realpath('$(CURDIR)'); \
+	sys.exit(any(not os.path.realpath(m.__file__).startswith(here + os.sep) for m in (entropic, entropic_vllm)))" \
+	2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . -e plugins/vllm
 
 # entropic-vllm on the real vLLM CPU build (tests_vllm/conftest.py says how)
 test-vllm: install vllm-venv

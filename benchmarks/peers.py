@@ -64,8 +64,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops",
-         "transformers", "llama.cpp", "vllm")
-OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops")
+         "transformers", "llama.cpp", "vllm",
+         # sampled at temperature 1, seeded per request; with the thermostat on every request
+         # (ours, and vLLM with the entropic-vllm processor); vLLM with it loaded but unused
+         "ours-t1", "ours-thermostat", "vllm-t1", "vllm-plugin-t1", "vllm-thermostat")
+OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops",
+        "ours-t1", "ours-thermostat")
 
 
 # ---------------------------------------------------------------- child side: one peer
@@ -85,8 +89,11 @@ class _OursPeer:
                        kernels=self.kernels, max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
         self.version = _version("entropic")
 
+    def _params(self, i: int, new: int):
+        return self._sp(max_tokens=new, temperature=0.0, ignore_eos=True)
+
     def _run(self, prompts, new):
-        outs = self.llm.generate(prompts, self._sp(max_tokens=new, temperature=0.0, ignore_eos=True))
+        outs = self.llm.generate(prompts, [self._params(i, new) for i in range(len(prompts))])
         for o in outs:
             if len(o.token_ids) != new:
                 raise RuntimeError(f"ours: {len(o.token_ids)} tokens generated, {new} asked")
@@ -133,6 +140,19 @@ class _OursTorchOpsPeer(_OursPeer):
 class _OursInt4TorchOpsPeer(_OursPeer):
     quantization = "int4"
     kernels = "torch"
+
+
+class _OursT1Peer(_OursPeer):
+    def _params(self, i: int, new: int):
+        return self._sp(max_tokens=new, temperature=1.0, seed=i, ignore_eos=True)
+
+
+class _OursThermostatPeer(_OursPeer):
+    def _params(self, i: int, new: int):
+        from entropic import ThermostatParams
+
+        return self._sp(max_tokens=new, temperature=1.0, seed=i, ignore_eos=True,
+                        thermostat=ThermostatParams())
 
 
 class _TokenClock:
@@ -257,10 +277,17 @@ class _LlamaCppPeer:
 
 
 class _VllmPeer:
+    plugin = False  # load entropic-vllm's thermostat processor
+
     def __init__(self, a):
         from vllm import LLM, SamplingParams
 
         self._sp = SamplingParams
+        kw = {}
+        if self.plugin:
+            from entropic_vllm import ThermostatLogitsProcessor
+
+            kw["logits_processors"] = [ThermostatLogitsProcessor]
         # On the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves; its
         # default (0.92) fails when the machine's free RAM is below that share. Prefix
         # caching is off: every repeat sends the same prompts, and with it on vLLM would
@@ -268,15 +295,18 @@ class _VllmPeer:
         # as no other peer here does.
         self.llm = LLM(model=a.model, dtype="bfloat16", max_num_seqs=64,
                        max_model_len=a.n_ctx, seed=0, gpu_memory_utilization=0.5,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, **kw)
         import vllm
 
         self.version = vllm.__version__
 
+    def _params(self, i: int, new: int):
+        return self._sp(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True)
+
     def _run(self, prompts, new):
-        sp = self._sp(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True)
+        sps = [self._params(i, new) for i in range(len(prompts))]
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         wall = time.perf_counter() - t0
         for o in outs:
             if len(o.outputs[0].token_ids) != new:
@@ -293,10 +323,29 @@ class _VllmPeer:
         return self._run([prompt], 1)
 
 
+class _VllmT1Peer(_VllmPeer):
+    extra_args = None
+
+    def _params(self, i: int, new: int):
+        return self._sp(max_tokens=new, min_tokens=new, temperature=1.0, seed=i, ignore_eos=True,
+                        extra_args=self.extra_args)
+
+
+class _VllmPluginT1Peer(_VllmT1Peer):
+    plugin = True
+
+
+class _VllmThermostatPeer(_VllmT1Peer):
+    plugin = True
+    extra_args = {"thermostat": {}}  # ThermostatParams' defaults, as ours-thermostat
+
+
 CHILD = {"ours": _OursPeer, "ours-int4": _OursInt4Peer, "ours-int8": _OursInt8Peer,
          "ours-fp32": _OursFp32Peer, "ours-torchops": _OursTorchOpsPeer,
          "ours-int4-torchops": _OursInt4TorchOpsPeer,
-         "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer}
+         "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer,
+         "ours-t1": _OursT1Peer, "ours-thermostat": _OursThermostatPeer, "vllm-t1": _VllmT1Peer,
+         "vllm-plugin-t1": _VllmPluginT1Peer, "vllm-thermostat": _VllmThermostatPeer}
 
 
 def _version(dist: str) -> str | None:
@@ -363,7 +412,7 @@ def available(peer: str, a) -> str | None:
         return "transformers is not installed"
     if peer == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "llama_cpp (llama-cpp-python) is not installed: pip install llama-cpp-python"
-    if peer == "vllm":
+    if peer.startswith("vllm"):
         if not a.vllm_python:
             return "no --vllm-python given (vLLM needs its own virtual environment)"
         if not Path(a.vllm_python).exists():
@@ -379,11 +428,11 @@ def available(peer: str, a) -> str | None:
 def child_setup(peer: str, a) -> tuple[str, str, dict]:
     """The interpreter, model and environment a peer's child runs with (threads set; vLLM in
     its own venv, on its HF directory, with its OMP threads bound)."""
-    python = a.vllm_python if peer == "vllm" else sys.executable
-    model = a.vllm_model if peer == "vllm" else a.model
+    python = a.vllm_python if peer.startswith("vllm") else sys.executable
+    model = a.vllm_model if peer.startswith("vllm") else a.model
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), TQDM_DISABLE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
-    if peer == "vllm":
+    if peer.startswith("vllm"):
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{a.threads - 1}"
         env.pop("PYTHONPATH")
     return python, model, env

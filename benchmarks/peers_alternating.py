@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [p for p in a.peers if p not in peers.PEERS]
         if bad or len(a.peers) < 2:
             ap.error(f"--peers: two or more of {', '.join(peers.PEERS)}; got {a.peers}")
-        if "vllm" in a.peers and not (a.vllm_python and a.vllm_model):
+        if any(p.startswith("vllm") for p in a.peers) and not (a.vllm_python and a.vllm_model):
             ap.error("--peers vllm needs --vllm-python and --vllm-model (see benchmarks/peers.py)")
         for name in ("rounds", "concurrency", "new_tokens"):
             if getattr(a, name) < 1:
