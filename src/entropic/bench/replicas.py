@@ -172,7 +172,8 @@ def vllm_route(replicas: Sequence["Replica"], start: int) -> int:
         idx = (start + i) % n
         s = replicas[idx].scheduler
         waiting, running = len(s.waiting), len(s.running)
-        usage = 1.0 - s.kv.pool.num_free / s.kv.pool.num_blocks
+        used = s.kv.pool.num_blocks - s.kv.pool.num_free
+        usage = min(1.0, used / replicas[idx].nominal_blocks)
         score = waiting + running + waiting * 6.0 * max(0.0, usage - 0.5)
         if score < best_score:
             best, best_score = idx, score
@@ -190,6 +191,7 @@ class Replica:
     steps: int = 0
     busy_seconds: float = 0.0
     max_queue: int = 0  # most unfinished requests its scheduler ordered in one step
+    nominal_blocks: int = 0  # the cache a real engine would have (KV usage is against it)
 
 
 @dataclass
@@ -209,21 +211,26 @@ class SimResult:
     steps: int = 0
     busy_seconds: float = 0.0
     displacements: int = 0
+    computed_tokens: int = 0  # every chunk's tokens (a recompute would count twice)
     wait_bound_steps: int = 0  # W + Q * max(R, P), Q the largest queue a replica ordered
 
 
 def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
-                 config: EntropicSchedulingConfig) -> Replica:
-    longest = max(r.prompt_len + r.output_len for r in trace.requests)
-    num_blocks = trace.max_num_seqs * -(-longest // trace.block_size)
+                 config: EntropicSchedulingConfig, num_requests: int = 0) -> Replica:
+    """The policy prices memory against a nominal cache of max_num_seqs requests of the
+    longest length (M_s's fair share is one such request); the pool itself also holds
+    every paused request's KV (`num_requests` more), so memory never binds."""
+    per_request = -(-max(r.prompt_len + r.output_len for r in trace.requests)
+                    // trace.block_size)
+    nominal = trace.max_num_seqs * per_request
     policy = FCFSPolicy() if mode == "fifo" else EntropicPolicy(clock, config)
     if mode != "fifo":
-        policy.bind(trace.cost, num_blocks, trace.block_size, trace.max_num_seqs,
+        policy.bind(trace.cost, nominal, trace.block_size, trace.max_num_seqs,
                     trace.max_num_batched_tokens)
-    kv = KVCacheManager(BlockPool(num_blocks), trace.block_size)
+    kv = KVCacheManager(BlockPool(nominal + num_requests * per_request), trace.block_size)
     sched = Scheduler(kv, trace.max_num_seqs, trace.max_num_batched_tokens,
-                      max_model_len=longest + 1, policy=policy)
-    return Replica(sched, policy)
+                      max_model_len=per_request * trace.block_size + 1, policy=policy)
+    return Replica(sched, policy, nominal_blocks=nominal)
 
 
 def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, mode: str,
@@ -236,7 +243,7 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
     config = config or EntropicSchedulingConfig()
     shared = EntropicClock()  # the global queue's scheduler sees every replica's tokens
     replicas = [_new_replica(trace, mode, shared if mode == "global" else EntropicClock(),
-                             config) for _ in range(num_replicas)]
+                             config, len(requests)) for _ in range(num_replicas)]
     res = SimResult(mode, num_replicas)
     by_id = {r.id: r for r in requests}
     if len(by_id) != len(requests):
@@ -309,6 +316,7 @@ def _start_step(rep: Replica, k: int, trace: Trace, queue: list[Request],
     for c in out.chunks:
         wait = out.step - before[c.request_id]
         res.max_wait_steps[c.request_id] = max(res.max_wait_steps.get(c.request_id, 0), wait)
+    res.computed_tokens += out.num_batched_tokens
     dt = trace.step_time.seconds(trace.cost, out)
     rep.current, rep.busy_until = out, now + dt
     rep.steps += 1
