@@ -1,6 +1,6 @@
 """N replicas, one global pi queue against N per-replica pi queues, on a recorded trace.
 
-    python benchmarks/replicas.py                       # results/replica_trace.json
+    python benchmarks/replicas.py                       # benchmarks/traces/replica_trace.json
     python benchmarks/replicas.py --trace tests/data/replica_trace_quick.json --quick
 
 A simulation (entropic.bench.replicas), not a measurement: each replica is entropic's own
@@ -43,7 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(ap, threads=1, out=str(ROOT / "results/replicas.json"), model=False,
                     quick="N = 1, 2 only")
-    ap.add_argument("--trace", default=str(ROOT / "results/replica_trace.json"))
+    ap.add_argument("--trace", default=str(ROOT / "benchmarks/traces/replica_trace.json"))
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--loads", type=float, nargs="+", default=[0.7, 1.5],
                     help="arrival rate per replica, as a fraction of one replica's capacity")

@@ -91,7 +91,8 @@ class StepTime:
 
 @dataclass(frozen=True)
 class Trace:
-    """What the simulation needs of a recording (benchmarks/record_replica_trace.py)."""
+    """What the simulation needs of a recording (benchmarks/record_replica_trace.py).
+    The step-time law is fitted when the trace is loaded, from the steps it recorded."""
 
     requests: tuple[TraceRequest, ...]
     cost: CostModel
@@ -101,28 +102,37 @@ class Trace:
     block_size: int = 16
 
 
-def fit_step_time(trace: dict) -> dict:
-    """Least squares of recorded step seconds on the cost model's linear and attention
-    FLOPs (coefficients kept >= 0: a negative one is dropped and the rest refitted).
-    Returns the StepTime fields with the fit's R^2 and the steps it used."""
-    c = trace["cost"]
-    rows = np.array(trace["steps"], dtype=float)  # tokens, sampled rows, pairs, seconds
-    lin = c["linear_per_token"] * rows[:, 0] + c["lm_head_per_row"] * rows[:, 1]
-    att = c["attention_per_pair"] * rows[:, 2]
+def fit_step_time(cost: dict, steps: list[list[float]], quantile: float = 0.1) -> dict:
+    """Quantile regression of recorded step seconds on the cost model's linear and
+    attention FLOPs (`steps`: [tokens, sampled rows, attention pairs, seconds] rows;
+    `cost`: the CostModel's coefficients). On a loaded machine a step's time is its own
+    plus whatever other jobs took from it, a one-sided error: a low quantile of seconds
+    given the FLOPs (default the 10th percentile) estimates the undisturbed step, where
+    least squares would fit the load. Iteratively reweighted least squares on the check
+    loss; a negative coefficient (other than the base) is dropped and the rest refitted.
+    Returns the StepTime fields, the quantile and the number of steps."""
+    rows = np.array(steps, dtype=float)
+    lin = cost["linear_per_token"] * rows[:, 0] + cost["lm_head_per_row"] * rows[:, 1]
+    att = cost["attention_per_pair"] * rows[:, 2]
     y = rows[:, 3]
-    cols = {"base": np.ones_like(y), "per_linear": lin, "per_attention": att}
+    cols = {"base": np.ones_like(y), "per_linear": lin / 1e9, "per_attention": att / 1e9}
     keep = list(cols)
     while True:
         x = np.stack([cols[k] for k in keep], axis=1)
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        w = np.ones_like(y)
+        for _ in range(200):
+            sw = np.sqrt(w)[:, None]
+            coef, *_ = np.linalg.lstsq(x * sw, y * sw[:, 0], rcond=None)
+            r = y - x @ coef
+            w = np.where(r > 0, quantile, 1 - quantile) / np.maximum(np.abs(r), 1e-6)
         bad = [k for k, v in zip(keep, coef) if v < 0 and k != "base"]
         if not bad:
             break
         keep.remove(bad[0])
     fit = {k: 0.0 for k in cols}
-    fit.update({k: float(v) for k, v in zip(keep, coef)})
-    resid = y - x @ coef
-    fit["r2"] = float(1 - resid.var() / y.var()) if y.var() > 0 else 1.0
+    fit.update({k: float(v) / (1e9 if k != "base" else 1.0) for k, v in zip(keep, coef)})
+    fit["quantile"] = quantile
+    fit["below"] = float(np.mean(y - x @ coef < 0))
     fit["steps"] = len(y)
     return fit
 
@@ -130,7 +140,7 @@ def fit_step_time(trace: dict) -> dict:
 def load_trace(path: str | Path) -> Trace:
     d = json.loads(Path(path).read_text())
     mc = ModelConfig(**{k: d["model_config"][k] for k in _COST_FIELDS})
-    st = d["step_time"]
+    st = fit_step_time(d["cost"], d["steps"] + d.get("calibration", {}).get("steps", []))
     reqs = tuple(TraceRequest(r["id"], r["arrival"], r["prompt_len"], tuple(r["entropies"]))
                  for r in d["requests"])
     m = d["meta"]
