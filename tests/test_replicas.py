@@ -78,9 +78,9 @@ def test_vllm_route_least_loaded_ties_round_robin():
     assert vllm_route(reps, 0) == 1 and vllm_route(reps, 2) == 1
 
 
-def test_more_replicas_at_equal_load_per_replica_and_global_is_work_conserving():
-    """Global queue: no request waits while another replica idles, so with the same
-    requests on more replicas nothing finishes later; per-replica routing can."""
+def test_two_replicas_finish_the_same_requests_sooner():
+    """The same contended requests on two replicas sharing the global queue end sooner
+    than on one (a second replica takes work off the queue at once)."""
     t = contended()
     w = workload(t, 1, rate=40.0)
     one = simulate(t, w, 1, "global")
@@ -114,3 +114,17 @@ def test_recorded_quick_trace_runs():
     w = workload(t, 2, rate=1.0)
     res = {m: summarize(simulate(t, w, 2, m)) for m in MODES}
     assert all(r["requests"] == 16 for r in res.values())
+
+
+def test_global_queue_displaces_only_when_no_replica_has_a_free_slot():
+    """Replica 0 is full, replica 1 has a free slot but is in a long prefill: an arrival
+    that ages on replica 0's short steps waits for the free slot instead of displacing."""
+    reqs = [(0.0, 4, [0.05] * 60), (0.0, 4, [0.05] * 60), (0.001, 300, [0.05] * 20),
+            (0.05, 4, [3.0, 2.0, 1.0])]
+    cfg = EntropicSchedulingConfig(max_wait=2, min_residency=0)
+    t = make_trace(reqs, max_num_seqs=2)
+    res = simulate(t, t.requests, 2, "global", cfg)
+    assert res.served_by["r0"] == res.served_by["r1"] == 0 and res.served_by["r2"] == 1
+    assert res.served_by["r3"] == 1 and res.displacements == 0
+    alone = make_trace(reqs[:2] + reqs[3:], max_num_seqs=2)
+    assert simulate(alone, alone.requests, 1, "global", cfg).displacements > 0

@@ -190,6 +190,29 @@ def vllm_route(replicas: Sequence["Replica"], start: int) -> int:
     return best
 
 
+class GlobalQueuePolicy:
+    """A replica's entropic policy as one global scheduler uses it: the same order and
+    victims, but a request from the global queue may displace a running request only when
+    no other replica has a free slot (a central scheduler puts it in the free slot first;
+    without this, whichever replica happened to step first displaced for it)."""
+
+    def __init__(self, policy: EntropicPolicy) -> None:
+        self.inner = policy
+        self.clock = policy.clock
+        self.held_back: set[str] = set()  # this step: requests that may not displace
+
+    def order(self, running, waiting, step):
+        return self.inner.order(running, waiting, step)
+
+    def choose_victim(self, candidates, step):
+        return self.inner.choose_victim(candidates, step)
+
+    def displace(self, waiting, victim, step) -> bool:
+        if waiting.request_id in self.held_back:
+            return False
+        return self.inner.displace(waiting, victim, step)
+
+
 @dataclass
 class Replica:
     """One engine: a scheduler, its policy, and when its current step ends."""
@@ -237,6 +260,8 @@ def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
     if mode != "fifo":
         policy.bind(trace.cost, nominal, trace.block_size, trace.max_num_seqs,
                     trace.max_num_batched_tokens)
+    if mode == "global":
+        policy = GlobalQueuePolicy(policy)
     kv = KVCacheManager(BlockPool(nominal + num_requests * per_request), trace.block_size)
     sched = Scheduler(kv, trace.max_num_seqs, trace.max_num_batched_tokens,
                       max_model_len=per_request * trace.block_size + 1, policy=policy)
@@ -288,6 +313,10 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
                 replicas[k].scheduler.add(req)
         for k, rep in enumerate(replicas):  # idle replicas start a step
             if rep.busy_until is None:
+                if mode == "global":
+                    rep.policy.held_back = {r.request_id for r in queue} if any(
+                        len(o.scheduler.running) < o.scheduler.max_num_seqs
+                        for o in replicas if o is not rep) else set()
                 _start_step(rep, k, trace, queue, arrival_steps, now, res)
     for rep in replicas:
         res.steps += rep.steps
@@ -346,7 +375,7 @@ def _finish_step(rep: Replica, k: int, by_id: dict[str, TraceRequest],
                 req.num_output_tokens])
     for req in sched.update(out, sampled, done):
         h = req.entropies[-1]
-        if isinstance(rep.policy, EntropicPolicy):
+        if not isinstance(rep.policy, FCFSPolicy):
             rep.policy.clock.observe(req.request_id, h)
         res.first_token.setdefault(req.request_id, done)
         if req.status.finished:
@@ -355,7 +384,7 @@ def _finish_step(rep: Replica, k: int, by_id: dict[str, TraceRequest],
             res.served_by[rid] = k
             res.finished_count[rid] = res.finished_count.get(rid, 0) + 1
             res.tau += entropic_time(req.entropies)
-            if isinstance(rep.policy, EntropicPolicy):
+            if not isinstance(rep.policy, FCFSPolicy):
                 rep.policy.clock.release([rid])
 
 
