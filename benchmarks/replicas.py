@@ -13,7 +13,8 @@ For N = 1, 2, 4, 8 replicas the workload is N superposed copies of the trace's a
 (each replica equally loaded), at two loads given as fractions of one replica's capacity
 (requests per second it completes when every request is there at once, FIFO). Modes:
 global (one pi queue with aging feeding all replicas), per_replica (vLLM's data-parallel
-routing, a pi queue per replica), fifo (vLLM's routing, FCFS per replica). Reported: TTFT
+routing, a pi queue per replica), fifo (vLLM's routing, FCFS per replica), global_fifo (one
+FCFS queue: the gap that pooling alone makes, without pi). Reported: TTFT
 and E2E mean and p99 (s), tau per second, the longest wait between two services (steps)
 against the aging threshold W and the bound W + Q * max(R, P); and the gap per_replica /
 global.
@@ -73,17 +74,18 @@ def main() -> None:
             for m, s in res.items():
                 s["load"] = load
                 rows.append(s)
-                bound = s["wait_bound_steps"] if m != "fifo" else "-"
+                bound = s["wait_bound_steps"] if m in ("global", "per_replica") else "-"
                 print(f"| {load} | {n} | {m} | " + " | ".join(
                     f"{s[c]:.2f}" for c in cols[:5]) + f" | {s['max_wait_steps']} | {bound} | "
                     f"{s['displacements']} | {s['utilisation']:.2f} |", flush=True)
-            gap = {c: res["per_replica"][c] / res["global"][c] for c in GAP}
-            gap.update(load=load, replicas=n)
-            gaps.append(gap)
-    print("\nGap, per-replica pi queues (vLLM routing) / one global pi queue:\n")
-    print("| load | N | " + " | ".join(GAP) + " |\n" + "|---" * (len(GAP) + 2) + "|")
+            for num, den in (("per_replica", "global"), ("fifo", "global_fifo")):
+                gap = {c: res[num][c] / res[den][c] for c in GAP}
+                gap.update(load=load, replicas=n, ratio=f"{num} / {den}")
+                gaps.append(gap)
+    print("\nGap: per-replica queues (vLLM routing) / one global queue, pi and FIFO:\n")
+    print("| load | N | ratio | " + " | ".join(GAP) + " |\n" + "|---" * (len(GAP) + 3) + "|")
     for g in gaps:
-        print(f"| {g['load']} | {g['replicas']} | "
+        print(f"| {g['load']} | {g['replicas']} | {g['ratio']} | "
               + " | ".join(f"{g[c]:.3f}" for c in GAP) + " |")
     write_json(args.out, {"meta": {"command": " ".join(sys.argv), "machine": describe(),
                                    "trace": args.trace, "capacity_req_s": cap,

@@ -16,6 +16,7 @@ Modes:
 - "per_replica": each request goes to one replica on arrival, chosen as vLLM's
   data-parallel load balancer chooses an engine, and waits in that replica's pi queue.
 - "fifo": the same routing, each replica FCFS (the control).
+- "global_fifo": one FCFS queue feeding all replicas (what pooling alone does, without pi).
 
 vLLM's choice (vLLM 0.32, vllm/v1/engine/core_client.py, DPLBAsyncMPClient.
 get_core_engine_for_request): the engine with the least
@@ -52,7 +53,9 @@ from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from entropic.sampling_params import SamplingParams
 
-MODES = ("global", "per_replica", "fifo")
+MODES = ("global", "per_replica", "fifo", "global_fifo")
+FIFO_MODES = ("fifo", "global_fifo")
+GLOBAL_MODES = ("global", "global_fifo")
 _COST_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "max_position")
 
@@ -256,8 +259,8 @@ def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
     per_request = -(-max(r.prompt_len + r.output_len for r in trace.requests)
                     // trace.block_size)
     nominal = trace.max_num_seqs * per_request
-    policy = FCFSPolicy() if mode == "fifo" else EntropicPolicy(clock, config)
-    if mode != "fifo":
+    policy = FCFSPolicy() if mode in FIFO_MODES else EntropicPolicy(clock, config)
+    if mode not in FIFO_MODES:
         policy.bind(trace.cost, nominal, trace.block_size, trace.max_num_seqs,
                     trace.max_num_batched_tokens)
     if mode == "global":
@@ -304,7 +307,7 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
                           SamplingParams(max_tokens=tr.output_len, temperature=0,
                                          ignore_eos=True), tr.arrival)
             res.arrival[tr.id] = tr.arrival
-            if mode == "global":
+            if mode in GLOBAL_MODES:
                 queue.append(req)
                 arrival_steps[tr.id] = [rep.scheduler.step_count for rep in replicas]
             else:
