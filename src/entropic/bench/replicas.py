@@ -29,8 +29,10 @@ snapshot current: the least unfinished requests, with the KV penalty.
 Aging is counted in scheduler steps of the replica that does the counting: a request in the
 global queue is, for replica r, as old as the number of steps r has scheduled since the
 request arrived (exactly what r's own scheduler would count had it been added to r).
-Memory never binds (every replica has KV blocks for max_num_seqs requests of the longest
-length), so displacement pauses with the KV resident and nothing is recomputed.
+Memory never binds (a replica's pool holds max_num_seqs requests of the longest length and
+every paused one besides; the policy prices memory against the first part only), so
+displacement pauses with the KV resident and nothing is recomputed. Prefix caching is off:
+every prompt is computed whole.
 """
 from __future__ import annotations
 
@@ -221,7 +223,7 @@ class Replica:
     """One engine: a scheduler, its policy, and when its current step ends."""
 
     scheduler: Scheduler
-    policy: object
+    policy: EntropicPolicy | GlobalQueuePolicy | FCFSPolicy
     busy_until: float | None = None
     current: SchedulerOutput | None = None
     steps: int = 0
