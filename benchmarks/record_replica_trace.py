@@ -98,7 +98,7 @@ def main() -> None:
                          "simulation rescales it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibrate", metavar="TRACE", default=None,
-                    help="refit TRACE's step-time law on timed fixed step shapes")
+                    help="add timed steps of fixed shapes to TRACE (for the step-time fit)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per shape (--calibrate)")
     args = ap.parse_args()
     if args.quick:

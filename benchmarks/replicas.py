@@ -22,6 +22,7 @@ global.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -51,13 +52,20 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=2,
                     help="copies of the trace per replica (longer runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-scale", type=float, default=1.0,
+                    help="multiply the step-time law's per-step base (sensitivity: a "
+                         "quieter machine has a smaller base against the per-token cost)")
     args = ap.parse_args()
     if args.quick:
         args.replicas = [1, 2]
     trace = load_trace(args.trace)
+    if args.base_scale != 1.0:
+        trace = dataclasses.replace(trace, step_time=dataclasses.replace(
+            trace.step_time, base=trace.step_time.base * args.base_scale))
     cfg = EntropicSchedulingConfig()
     cap = capacity(trace)
-    print(f"trace {args.trace}: {len(trace.requests)} requests; one replica's capacity "
+    print(f"trace {args.trace}: {len(trace.requests)} requests; {trace.step_time}; "
+          f"one replica's capacity "
           f"{cap:.3f} req/s; max_num_seqs {trace.max_num_seqs}; W = {cfg.max_wait}, "
           f"R = {cfg.min_residency}\n")
     cols = ["ttft_mean", "ttft_p99", "e2e_mean", "e2e_p99", "tau_per_s", "max_wait_steps",
@@ -89,6 +97,7 @@ def main() -> None:
               + " | ".join(f"{g[c]:.3f}" for c in GAP) + " |")
     write_json(args.out, {"meta": {"command": " ".join(sys.argv), "machine": describe(),
                                    "trace": args.trace, "capacity_req_s": cap,
+                                   "step_time": dataclasses.asdict(trace.step_time),
                                    "copies": args.copies, "seed": args.seed,
                                    "max_wait": cfg.max_wait,
                                    "min_residency": cfg.min_residency},
