@@ -4,15 +4,16 @@ Each replica is entropic's own continuous-batching `Scheduler` (max_num_seqs slo
 budget per step, chunked prefill) with entropic's own `EntropicPolicy` (pi(s) and aging) or
 `FCFSPolicy`; only the model is replaced: a request's next token carries the entropy H_t
 recorded for it, and a step takes the time the step-time law (fitted on the recorded steps
-against the engine's cost model, `engine/cost.py`) gives its chunks. No randomness and no
-clock: a run is a pure function of the trace and its arguments.
+against the engine's cost model, `engine/cost.py`) gives its chunks. No wall clock, and no random numbers
+but the seeded permutations of `workload`: a run is a pure function of its arguments.
 
 Modes:
 - "global": one queue. Requests that no replica has admitted wait in it; whenever a
   replica schedules a step, its policy orders its own running and paused requests together
   with every request in the global queue, so the global queue is served in pi order (aged
   first) by whichever replica has room; an admitted request stays with its replica (its KV
-  lives there).
+  lives there). A queued request displaces a running one only when no replica has a free
+  slot (`GlobalQueuePolicy`).
 - "per_replica": each request goes to one replica on arrival, chosen as vLLM's
   data-parallel load balancer chooses an engine, and waits in that replica's pi queue.
 - "fifo": the same routing, each replica FCFS (the control).
