@@ -82,11 +82,24 @@ class PrefilledPrompt:
         engine.abort_request(rid)
         return cls(list(prompt), snapshot)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """The prompt's blocks a request starts on in every engine: those a request whose
+        block policy ranks blocks by prompt surprisal can use (one short of the scored
+        blocks: the next one's first score is needed; docs/prefix_caching.md), which is
+        fewer than a plain request could (its last token, whose logits give the first
+        token, always computed)."""
+        bs = self.snapshot.block_size
+        return max(0, min(self.snapshot.num_blocks - 1, (len(self.prompt) - 1) // bs))
+
     def start_in(self, engine: LLMEngine, rid: str, params: SamplingParams) -> None:
         """Add the request to `engine` on the prefilled blocks: they are imported into its
-        prefix cache, and the request's admission finds them. It computes only what the
-        cache cannot hold: the prompt's last partial block, or its last token at least
-        (whose logits give the first token); under a block policy that ranks blocks by
-        prompt surprisal, one block more (docs/prefix_caching.md)."""
-        engine.import_prefix(self.snapshot)
+        prefix cache, and the request's admission finds `num_cached_blocks` of them, in
+        every configuration: each then computes the same tail of the prompt (densely, as
+        any prefill) and samples the first token from the same numbers. A surprisal-ranking
+        engine gets the block after them too, for its first score."""
+        policy = engine.block_policy
+        scored = policy is not None and policy.wants_prompt_surprisal
+        n = self.num_cached_blocks
+        engine.import_prefix(self.snapshot.head(n + 1 if scored else n))
         engine.add_request(rid, self.prompt, params)

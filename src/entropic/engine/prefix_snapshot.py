@@ -9,7 +9,7 @@ as on blocks it had computed itself. Nothing here touches a request or the sched
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -76,6 +76,13 @@ class PrefixSnapshot:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def head(self, num_blocks: int) -> "PrefixSnapshot":
+        """The snapshot of its first `num_blocks` blocks."""
+        n = max(0, min(num_blocks, self.num_blocks))
+        return replace(self, token_ids=self.token_ids[:n * self.block_size],
+                       keys=self.keys[:n], kv=self.kv[:, :n * self.block_size],
+                       surprisal=self.surprisal[:n])
 
 
 def _slots(blocks: Sequence[int], block_size: int) -> torch.Tensor:
