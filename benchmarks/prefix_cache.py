@@ -21,7 +21,6 @@ outputs with and without the cache are compared token by token. The JSON goes to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time

@@ -29,7 +29,6 @@ Figures (median over --repeats, then ours/transformers):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
