@@ -271,3 +271,52 @@ def test_import_refuses_a_mismatch_and_changes_nothing(llm_fp32, prompt):
     small.abort_request("hold")
     assert small.import_prefix(snap) == snap.num_blocks  # evicts the aborted one's blocks
     assert small.pool.num_free == small.num_blocks
+
+
+@pytest.mark.model
+def test_prefilled_prompt_keeps_the_pruning_benchmarks_semantics(llm_bf16):
+    """bf16, as the benchmark runs: every configuration samples the same first token from
+    the same numbers (they start on the same blocks and compute the same tail), and a
+    surprisal-ranking pruner sees the prefill's own scores on the cached positions (the
+    tail's recomputed ones within rounding; measured identical at 1k-2k tokens)."""
+    from entropic.bench.datasets import load_longdocs
+    from entropic.bench.forking import PrefilledPrompt
+    from entropic.control.pruning import EntropicBlockPruner, PruningConfig
+    tok = llm_bf16.tokenizer
+    prompt = tok.encode(load_longdocs("paper")[0]["text"])[:300]
+    pre_eng = _engine(llm_bf16)
+    pre_eng.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0,
+                                                    prompt_logprobs=0))
+    (prefill,) = pre_eng.run_until_done()
+    today = [-lp.logprob for lp in prefill.prompt_logprobs[1:]]  # positions 1..L-1
+    pre = PrefilledPrompt(list(prompt), pre_eng.export_prefix(prompt))
+    assert pre.num_cached_blocks == len(prompt) // 16 - 1  # the snapshot's blocks, less one
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+    firsts, scores = {}, {}
+    for score in (None, "mass", "surprisal", "hybrid", "bound"):
+        pruner = (EntropicBlockPruner(PruningConfig(score=score, min_keep_fraction=0.25,
+                                                    min_attention_share=0.0), 16)
+                  if score else None)
+        if score in ("surprisal", "hybrid"):
+            seen = scores[score] = {}
+            observe = pruner.observe
+
+            def record(req, positions, surprisal, attended, mass, seen=seen, observe=observe):
+                seen.update(zip(positions, surprisal))
+                return observe(req, positions, surprisal, attended, mass)
+            pruner.observe = record
+        eng = _engine(llm_bf16, pruner)
+        pre.start_in(eng, "x", sp)
+        (out,) = eng.run_until_done()
+        assert eng.stats.prefix_cache_hits == pre.num_cached_blocks * 16
+        firsts[score] = (out.token_ids[0], out.logprobs[0].logprob, out.entropies[0])
+        assert eng.pool.num_free == eng.num_blocks
+    assert len(set(firsts.values())) == 1, firsts
+    cached = pre.num_cached_blocks * 16
+    for seen in scores.values():
+        got = [seen[p] for p in range(1, len(prompt))]
+        assert got[:cached] == today[:cached]
+        diff = max(abs(a - b) for a, b in zip(got, today))
+        print(f"prompt surprisal on the PrefilledPrompt path vs the prefill's: max |diff| "
+              f"{diff:.3g} (tail {cached + 1}..{len(prompt) - 1})")
+        assert diff < 0.05
