@@ -423,7 +423,7 @@ def main() -> None:
     write_json(args.out, {"meta": meta, "forced": forced_rows, "summaries": sum_rows,
                           "eviction": ev_rows, "scoring": sc_rows, "speed": speed_rows,
                           "report": report})
-    log(f"wrote {args.out} ({meta['wall_s']:.0f} s)")
+    log(f"{meta['wall_s']:.0f} s in all")
 
 
 if __name__ == "__main__":
