@@ -69,7 +69,9 @@ class PrefilledPrompt:
     def run(cls, engine: LLMEngine, prompt: list[int], params: SamplingParams,
             rid: str = "prefill") -> "PrefilledPrompt":
         """Prefill `prompt` on `engine` (dense, prefix caching on), export its cached
-        blocks, abort the request."""
+        blocks, abort the request. Give `params` prompt_logprobs for the blocks to carry
+        prompt surprisal: without it a surprisal-ranking engine cannot start on them and
+        computes the whole prompt."""
         if not engine.config.enable_prefix_caching:
             raise ValueError("PrefilledPrompt needs an engine with prefix caching on")
         engine.add_request(rid, prompt, params)
@@ -96,8 +98,9 @@ class PrefilledPrompt:
         """Add the request to `engine` on the prefilled blocks: they are imported into its
         prefix cache, and the request's admission finds `num_cached_blocks` of them, in
         every configuration: each then computes the same tail of the prompt (densely, as
-        any prefill) and samples the first token from the same numbers. A surprisal-ranking
-        engine gets the block after them too, for its first score."""
+        any prefill) and samples the first token from the same numbers (in an engine that
+        has not cached more of this prompt already). A surprisal-ranking engine gets the
+        block after them too, for its first score."""
         policy = engine.block_policy
         scored = policy is not None and policy.wants_prompt_surprisal
         n = self.num_cached_blocks
