@@ -109,7 +109,7 @@ def export_prefix(engine, token_ids: Sequence[int]) -> PrefixSnapshot:
         keys.append(key)
         blocks.append(b)
     cache = engine.runner.kv.kv
-    kv = (cache[:, _slots(blocks, bs).to(cache.device)].to("cpu", copy=True) if blocks
+    kv = (cache[:, _slots(blocks, bs).to(cache.device)].cpu() if blocks  # indexing copies
           else cache.new_empty((cache.shape[0], 0, *cache.shape[2:]), device="cpu"))
     return PrefixSnapshot(CacheIdentity.of(engine.model), bs,
                           tuple(token_ids[:len(blocks) * bs]), tuple(keys), kv,
