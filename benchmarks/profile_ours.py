@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +69,6 @@ def phases(path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", choices=("decode", "batch64"), default="decode")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-profiler", action="store_true")
     ap.add_argument("--top", type=int, default=15)
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--kernels", choices=("native", "torch"), default="native")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--phases", help="py-spy raw output to split into phases, then exit")
+    add_common_args(ap, out="results/profile_ours.json", quick=None)
     a = ap.parse_args()
     if a.phases:
         phases(a.phases)
@@ -85,17 +87,24 @@ def main() -> None:
     from entropic import LLM, SamplingParams
     from entropic.bench.datasets import chat_prompt_ids
 
-    llm = LLM(dtype=a.dtype, quantization=a.quantization, kernels=a.kernels, max_num_seqs=64,
+    llm = LLM(model=a.model, dtype=a.dtype, quantization=a.quantization, kernels=a.kernels, max_num_seqs=64,
               max_num_batched_tokens=2048, kv_cache_gib=1.0)
     prompts = chat_prompt_ids(llm.get_tokenizer(), 64, 512)
     work = prompts[:1] if a.scenario == "decode" else prompts
     sp = SamplingParams(max_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(work[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    machine = describe(a.threads)
+    print(header(machine))
+    result = {"machine": machine, "scenario": a.scenario, "new_tokens": a.new_tokens,
+              "requests": len(work), "dtype": a.dtype, "quantization": a.quantization,
+              "kernels": a.kernels}
     if a.no_profiler:
         t0 = time.perf_counter()
         llm.generate(work, sp)
         wall = time.perf_counter() - t0
         print(f"{a.scenario}: {len(work) * a.new_tokens / wall:.1f} tok/s, wall {wall:.2f} s")
+        write_json(a.out, {**result, "profiler": False, "wall_s": wall,
+                           "tok_s": len(work) * a.new_tokens / wall})
         return
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,9 +119,14 @@ def main() -> None:
     print(f"self time in torch ops {self_total:.2f} s ({100 * self_total / wall:.1f} % of wall); "
           f"outside torch ops {wall - self_total:.2f} s ({100 * (1 - self_total / wall):.1f} %)")
     print(f"{'op':40s} {'self s':>8s} {'% wall':>7s} {'calls':>8s}")
+    ops = []
     for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[: a.top]:
         s = e.self_cpu_time_total / 1e6
+        ops.append({"op": e.key, "self_s": s, "calls": e.count})
         print(f"{e.key[:40]:40s} {s:8.3f} {100 * s / wall:6.1f}% {e.count:8d}")
+    write_json(a.out, {**result, "profiler": True, "wall_s": wall,
+                       "tok_s": len(work) * a.new_tokens / wall,
+                       "self_s_in_torch_ops": self_total, "top_ops": ops})
 
 
 if __name__ == "__main__":

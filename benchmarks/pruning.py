@@ -9,8 +9,9 @@ Three parts, all greedy, on SmolLM2-135M-Instruct bf16:
    FLOPs and KV bytes read by the decode steps, the share of live blocks skipped, the
    perplexity of the held-back continuation, and the mean KL(dense || pruned) of the
    next-token distributions. The dense prefill runs once per document and context; its KV
-   is copied into each configuration's engine (entropic.bench.forking), so only decode
-   steps differ.
+   blocks go into each configuration's prefix cache (entropic.bench.forking), where the
+   request finds them: each engine computes only the prompt's tail, densely, so only
+   decode steps differ.
 2. Summaries: each paper excerpt (L tokens) summarised in chat form, 96 tokens; ROUGE-L of
    the pruned summary against the dense one (and of both against the paper's abstract).
 3. Eviction under a fixed KV budget: chat summaries of N paper excerpts at once with the
@@ -22,11 +23,9 @@ Prints Markdown tables and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rouge_score import rouge_scorer
@@ -34,6 +33,7 @@ from rouge_score import rouge_scorer
 from entropic import LLM, SamplingParams
 from entropic.bench.datasets import load_longdocs
 from entropic.bench.forking import PrefilledPrompt, TeacherForcer
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.engine.engine import LLMEngine
 
@@ -83,13 +83,22 @@ def median_gap(times: list[float]) -> float:
 
 
 def decode_from(pre: PrefilledPrompt, eng: LLMEngine, params: SamplingParams) -> dict:
-    """Decode a prefilled prompt to the end on `eng`; decode-only counters."""
+    """Decode a prefilled prompt to the end on `eng`; decode-only counters (the first step
+    computes the prompt's tail and samples the first token, the same in every
+    configuration: not counted)."""
     pre.start_in(eng, "x", params)
-    (out,) = eng.run_until_done()
+    outs = []
+    while not outs:
+        outs = eng.step()
     st = eng.stats
+    attn, kv = st.cost.flops_attention, st.cost.kv_bytes_read
+    live, kept = st.decode_blocks_live, st.decode_blocks_attended
+    (out,) = [o for o in outs if o.finished] or eng.run_until_done()
+    live, kept = st.decode_blocks_live - live, st.decode_blocks_attended - kept
     return {"out": out, "tok_s": 1.0 / median_gap(out.metrics.token_times),
-            "attn_gflop": st.cost.flops_attention / 1e9, "kv_gb": st.cost.kv_bytes_read / 1e9,
-            "pruned": st.pruned_fraction}
+            "attn_gflop": (st.cost.flops_attention - attn) / 1e9,
+            "kv_gb": (st.cost.kv_bytes_read - kv) / 1e9,
+            "pruned": 1.0 - kept / live if live else 0.0}
 
 
 # ---- part 1: teacher-forced continuation ------------------------------------------------
@@ -115,7 +124,9 @@ def forced(llm: LLM, docs: list[dict], contexts: list[int], cont: int, configs: 
                 forcer.logps = {}
                 eng = engine_for(llm, CONFIGS[name], [forcer], num_kv_blocks=need)
                 r = decode_from(pre, eng, sp)
-                logp = torch.stack(forcer.logps["x"])  # steps 1..cont-1 (step 0 is prefill)
+                # steps 1..cont-1: step 0 (the first token, from the prompt's last row) is
+                # computed densely in every configuration
+                logp = torch.stack(forcer.logps["x"][1:])
                 nll = [-lp.logprob for lp in r["out"].logprobs[1:]]
                 kl = 0.0
                 if name == "dense":
@@ -144,8 +155,11 @@ def speed(llm: LLM, docs: list[dict], contexts: list[int], batches: list[int], s
         for batch in batches:
             prompts = [llm.tokenizer.encode(d["text"])[:L] for d in docs[:batch]]
             need = batch * (-(-(L + steps) // BLOCK) + 1)
+            # prompt scores too: a surprisal-ranking configuration starts on the prefilled
+            # blocks only where they carry their positions' surprisal
             pres = [PrefilledPrompt.run(engine_for(llm, None, num_kv_blocks=need), p,
-                                        SamplingParams(max_tokens=steps, temperature=0))
+                                        SamplingParams(max_tokens=steps, temperature=0,
+                                                       prompt_logprobs=0))
                     for p in prompts]
             engines = {n: engine_for(llm, CONFIGS[n], num_kv_blocks=need,
                                      max_num_seqs=max(batch, 1)) for n in configs}
@@ -339,9 +353,8 @@ def eviction_table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1k/2k contexts, 3 configs (~5 min)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/pruning.json")
+    add_common_args(ap, threads=1, out="results/pruning.json",
+                    quick="1k/2k contexts, 3 configs (~5 min)")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None,
                     help="configurations (dense first); default: all but the fixed controls")
     ap.add_argument("--contexts", nargs="+", type=int, default=None)
@@ -357,7 +370,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    llm = LLM(max_num_batched_tokens=2048, num_kv_blocks=16)
+    llm = LLM(model=args.model, max_num_batched_tokens=2048, num_kv_blocks=16)
+    machine = describe(args.threads)
+    log(header(machine))
     papers, plays = load_longdocs("paper"), load_longdocs("play")
     if args.quick:
         configs, contexts, cont = list(QUICK_CONFIGS), [1024, 2048], 24
@@ -402,15 +417,13 @@ def main() -> None:
                            configs, log)
         tables.append(speed_table(speed_rows))
     report = "\n\n".join(tables)
-    print("\n" + report)
-    meta = {"threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
+    print("\n" + header(machine) + "\n\n" + report)
+    meta = {"machine": machine, "threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
             "wall_s": time.perf_counter() - t0, "configs": {k: repr(CONFIGS[k]) for k in configs}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "forced": forced_rows,
-                                          "summaries": sum_rows, "eviction": ev_rows,
-                                          "scoring": sc_rows, "speed": speed_rows,
-                                          "report": report}, indent=1))
-    log(f"wrote {args.out} ({meta['wall_s']:.0f} s)")
+    write_json(args.out, {"meta": meta, "forced": forced_rows, "summaries": sum_rows,
+                          "eviction": ev_rows, "scoring": sc_rows, "speed": speed_rows,
+                          "report": report})
+    log(f"{meta['wall_s']:.0f} s in all")
 
 
 if __name__ == "__main__":

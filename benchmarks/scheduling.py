@@ -21,7 +21,6 @@ Writes results/scheduling.json and prints Markdown.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ import torch
 from entropic import LLM, SamplingParams
 from entropic.bench.datasets import load_sharegpt_prompts
 from entropic.bench.loadgen import TimedRequest, replay
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,6 @@ def predictor_check(traces: list[list[float]], window: int = 16, prior_w: float 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -118,8 +117,8 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    ap.add_argument("--out", default=str(ROOT / "results"))
+    add_common_args(ap, threads=None, out=str(ROOT / "results"),
+                    out_help="folder for scheduling.json", quick="24 requests, 1 repeat")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.repeats = 24, 1
@@ -127,7 +126,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     kw = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.kv_blocks,
               max_num_batched_tokens=512)
-    llms = {"fcfs": LLM(**kw), "entropic": LLM(scheduling="entropic", **kw)}
+    llms = {"fcfs": LLM(model=args.model, **kw),
+            "entropic": LLM(model=args.model, scheduling="entropic", **kw)}
+    machine = describe(torch.get_num_threads())
     tok = llms["fcfs"].tokenizer
     rng = random.Random(args.seed)
     reqs, t = [], 0.0
@@ -155,7 +156,8 @@ def main() -> None:
     table = {name: {c: statistics.median(r[c] for r in rs) for c in cols}
              for name, rs in runs.items()}
     spread = {name: {c: [r[c] for r in rs] for c in cols} for name, rs in runs.items()}
-    print(f"\n{len(reqs)} requests, Poisson {args.rate}/s, max_num_seqs {args.max_num_seqs}, "
+    print("\n" + header(machine))
+    print(f"{len(reqs)} requests, Poisson {args.rate}/s, max_num_seqs {args.max_num_seqs}, "
           f"{args.kv_blocks} KV blocks, medians of {args.repeats} (seconds; tok/s)\n")
     print("| policy | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -169,14 +171,13 @@ def main() -> None:
     print("| predictor | MAE (nats) | Spearman |\n|---|---|---|")
     for name, r in pred.items():
         print(f"| {name} | {r['mae']:.4f} | {r['spearman']:.3f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(args).items()}
+    meta["machine"] = machine
     meta["command"] = " ".join(sys.argv)
     meta["threads"] = torch.get_num_threads()
-    (out / "scheduling.json").write_text(json.dumps(
-        {"meta": meta, "median": table, "runs": spread, "ratio": ratio, "predictors": pred},
-        indent=2))
+    write_json(Path(args.out) / "scheduling.json",
+               {"meta": meta, "median": table, "runs": spread, "ratio": ratio,
+                "predictors": pred})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import numpy as np
 
 from entropic.bench.datasets import load_sharegpt_prompts
 from entropic.bench.loadgen import poisson_offsets
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,15 +221,12 @@ def main() -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true",
-                    help="32 prompts, rate 2/s, at most 64 output tokens")
-    # spawned server only
-    ap.add_argument("--model", default=None)
+    # --threads and --model: the spawned server only
+    add_common_args(ap, threads=None, out=str(ROOT / "results" / "serve_load.json"),
+                    quick="32 prompts, rate 2/s, at most 64 output tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--scheduling", default="fcfs", choices=("fcfs", "entropic"))
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server")
-    ap.add_argument("--out", default=str(ROOT / "results" / "serve_load.json"))
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.request_rate = 32, 2.0
@@ -264,17 +262,16 @@ def main() -> int:
                 proc.kill()
     summary = summarize(results, duration)
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    print(f"\nserve_load: {len(work)} ShareGPT chat requests, rate {args.request_rate}/s, "
+    machine = describe(args.threads)
+    print("\n" + header(machine))
+    print(f"serve_load: {len(work)} ShareGPT chat requests, rate {args.request_rate}/s, "
           f"max concurrency {args.max_concurrency}, model {model}\n")
     print(markdown(summary))
     for r in results:
         if not r.ok:
             print(f"failed: {r.error}", file=sys.stderr)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config, "summary": summary,
-                               "requests": [asdict(r) for r in results]}, indent=1))
-    print(f"\nwrote {out}")
+    write_json(args.out, {"machine": machine, "config": config, "summary": summary,
+                          "requests": [asdict(r) for r in results]})
     return 0 if summary["failed"] == 0 else 1
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 0.2
@@ -321,10 +321,9 @@ def main() -> int:
     ap.add_argument("--baseline-s", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of spawned servers")
-    ap.add_argument("--out", default=str(ROOT / "results" / "serve_stall.json"))
+    # --threads and --model: the spawned servers'
+    add_common_args(ap, threads=1, out=str(ROOT / "results" / "serve_stall.json"), quick=None)
     args = ap.parse_args()
 
     cases = [c for c in args.cases.split(",") if c]
@@ -384,17 +383,15 @@ def main() -> int:
             s.stop()
 
     rows = summarize(trials)
-    meta = {"cpu": cpu_name(), "cpus": os.cpu_count(), "body_bytes": len(payloads["tokenize"][1]),
+    machine = describe(args.threads)
+    meta = {"machine": machine, "cpu": machine["cpu"], "cpus": os.cpu_count(), "body_bytes": len(payloads["tokenize"][1]),
             "stream_tokens": args.stream_tokens, "health_interval_s": args.health_interval,
             "baseline_s": args.baseline_s, "repeats": args.repeats,
             "max_body_bytes_supported": supported, "target_s": TARGET_S,
             "spawned": args.base_url is None, "python": platform.python_version()}
+    print(header(machine))
     print(markdown(rows, meta))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "summary": rows,
-                               "trials": [asdict(t) for t in trials]}, indent=2))
-    print(f"wrote {out}", file=sys.stderr)
+    write_json(args.out, {"meta": meta, "summary": rows, "trials": [asdict(t) for t in trials]})
     return 0
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from entropic import LLM, SamplingParams
-from entropic.bench.machine import cpu_flags, cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.bench.datasets import load_aclsum, load_sharegpt_prompts, load_xsum
 from entropic.config import EngineConfig
 from entropic.control.clock import EntropicClock
@@ -243,7 +243,7 @@ def llama_cpp_lookup(model_path: str, sets: dict, workloads: list[str], n: int,
 
 
 def llama_cpp_in_child(sets: dict, workloads: list[str], n: int, max_tokens: int, k: int,
-                       threads: int, rounds: int) -> dict:
+                       threads: int, rounds: int, model: str | None = None) -> dict:
     """llama_cpp_lookup in a child process (a crash there loses nothing of ours); the
     prompts travel as token ids in a JSON file. llama-cpp-python 0.3.36 built on a CPU with
     AMX crashes (SIGSEGV) in its first decode with its extra buffer types (AMX, repacked
@@ -257,7 +257,7 @@ def llama_cpp_in_child(sets: dict, workloads: list[str], n: int, max_tokens: int
         for extra in (True, False):
             work, res = Path(tmp) / "work.json", Path(tmp) / "result.json"
             work.write_text(json.dumps({
-                "model": default_model_path(), "workloads": workloads,
+                "model": model or default_model_path(), "workloads": workloads,
                 "sets": {w: sets[w][:n] for w in workloads}, "n": n, "max_tokens": max_tokens,
                 "k": k, "threads": threads, "rounds": rounds, "extra_bufts": extra}))
             proc = subprocess.run([sys.executable, __file__, "--llama-cpp-child", str(work),
@@ -274,13 +274,14 @@ def llama_cpp_in_child(sets: dict, workloads: list[str], n: int, max_tokens: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    add_common_args(ap, out=str(ROOT / "benchmarks" / "results" / "speculative.json"),
+                    model="local GGUF file or HF directory (default: the embedded model; "
+                          "llama.cpp's side needs a GGUF file)",
+                    quick="4 prompts, 64 tokens, batches 1 and 4, 1 round")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--workloads", default="xsum,aclsum,code,quote,chat,mixed")
     ap.add_argument("--no-llama-cpp", action="store_true",
                     help="skip llama.cpp's lookup decoding (llama-cpp-python) side by side")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "speculative.json"))
     ap.add_argument("--batches", default=None, help="batch sizes, e.g. 1,4,16")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--modes", default=",".join(MODES), help="off first, e.g. off,gate")
@@ -301,15 +302,17 @@ def main() -> None:
     if modes[0] != "off" or not set(modes) <= set(MODES):
         raise SystemExit(f"--modes must start with off and name modes from {MODES}")
     temps = (0.0, 0.7)
-    llm = LLM()
+    llm = LLM(model=a.model)
     sets = workloads(llm.tokenizer, max(n, max(batches)))
-    result = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": a.threads,
+    machine = describe(a.threads)
+    result = {"machine": machine, "cpu": machine["cpu"], "flags": machine["flags"],
+              "threads": a.threads,
               "torch": torch.__version__, "quick": a.quick, "max_tokens": max_tokens,
               "batches": list(batches), "rounds": rounds, "modes": list(modes),
               "k": a.k, "c_of_k": verify_cost(llm), "runs": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"# {result['cpu']} ({' '.join(result['flags'])}), {a.threads} threads")
+    print(f"# {header(machine)}")
     print("c(k) at context 256:", {k: round(v, 2) for k, v in result["c_of_k"]["256"].items()})
     engines = {(m, b): make_engine(llm, m, b, a.k) for m in modes for b in batches}
     print(f"{'workload':8} {'b':>3} {'T':>4} {'mode':6} {'tok/s':>7} {'speedup':>8} "
@@ -349,12 +352,11 @@ def main() -> None:
         print(result["llama_cpp"])
     else:
         result["llama_cpp"] = llama_cpp_in_child(sets, a.workloads.split(","), n,
-                                                 max_tokens, a.k, a.threads, rounds)
+                                                 max_tokens, a.k, a.threads, rounds, a.model)
     gate_stats = {f"b{b}": engines[("gate", b)].speculator.stats.as_dict() for b in batches
                   if ("gate", b) in engines}
     result["gate_stats"] = gate_stats
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_json(out, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Writes results/thermostat.json, a Markdown table on stdout and results/thermosta
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 from entropic import LLM, SamplingParams, ThermostatParams
 from entropic.bench.datasets import chat_prompt_ids
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.bench.probes import TemperedEntropyProbe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,14 +67,14 @@ def params_for(cfg: dict, n: int, max_tokens: int) -> list[SamplingParams]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--targets", type=float, nargs="+", default=[1.0, 2.0, 3.0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--timing-prompts", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "results"))
+    add_common_args(ap, threads=None, out=str(ROOT / "results"),
+                    out_help="folder for thermostat.json and thermostat_traces.png",
+                    quick="16 prompts x 32 tokens, 1 repeat")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_tokens, args.repeats = 16, 32, 1
@@ -84,7 +84,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     probe = TemperedEntropyProbe()
-    llm = LLM(processors=[probe])
+    llm = LLM(model=args.model, processors=[probe])
+    machine = describe(torch.get_num_threads())
     prompts = chat_prompt_ids(llm.tokenizer, args.prompts)
     cfgs = configs(args.targets)
     mid_target = statistics.median(args.targets)
@@ -111,7 +112,7 @@ def main() -> None:
         print(f"  {name}: done", file=sys.stderr, flush=True)
 
     # timing pass without the probe, all configurations interleaved per repeat
-    timer = LLM()
+    timer = LLM(model=args.model)
     timing_prompts = prompts[:args.timing_prompts]
     tps: dict[str, list[float]] = {k: [] for k in cfgs}
     timer.generate(timing_prompts[:4], SamplingParams(max_tokens=4))  # warm-up
@@ -128,17 +129,17 @@ def main() -> None:
 
     cols = ["target", "mean_abs_err", "var_HT", "collapse_frac", "mean_T", "distinct2",
             "distinct3", "repetition", "tau_per_tflop", "tokens_per_s", "overhead_vs_T1"]
-    print(f"\n{len(prompts)} ShareGPT prompts x {args.max_tokens} tokens; "
+    print("\n" + header(machine))
+    print(f"{len(prompts)} ShareGPT prompts x {args.max_tokens} tokens; "
           f"H* for fixed-T rows = {mid_target}; timing: {len(timing_prompts)} at once, "
           f"median of {args.repeats}\n")
     print("| config | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, r in results.items():
         print(f"| {name} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
-    meta = {"prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
+    meta = {"machine": machine, "prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
             "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
-    (out_dir / "thermostat.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                        indent=2))
+    write_json(out_dir / "thermostat.json", {"meta": meta, "results": results})
     plot(traces, out_dir / "thermostat_traces.png")
 
 

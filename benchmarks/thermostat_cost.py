@@ -13,7 +13,6 @@ and each thermostat's overhead against fixed T. Writes results/thermostat_cost.j
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 import entropic.control.thermostat as thermostat_module
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic import LLM, SamplingParams, ThermostatParams
 from entropic.bench.datasets import chat_prompt_ids
 from entropic.sampling.sampler import entropy_from_logits, tempered_entropy
@@ -46,17 +45,16 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "results" / "thermostat_cost.json"))
+    add_common_args(ap, out=str(ROOT / "results" / "thermostat_cost.json"),
+                    quick="3 rounds of 48 tokens")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.max_tokens = 3, 48
     torch.set_num_threads(args.threads)
-    llm = LLM(max_num_batched_tokens=2048)
+    llm = LLM(model=args.model, max_num_batched_tokens=2048)
     prompts = chat_prompt_ids(llm.tokenizer, args.rows, max_tokens=256)
     th = ThermostatParams(target_entropy=2.0, eta=0.2, t_min=0.2, t_max=2.0)
     configs = {
@@ -82,20 +80,18 @@ def main() -> None:
         ratio = statistics.median(a / b for a, b in zip(r, rates["fixed T=1.0"]))
         rows.append({"config": name, "median_tok_s": med, "per_round": r,
                      "overhead_vs_fixed": 1 - ratio})
-    print(f"{cpu_name()}, {args.threads} threads, {len(prompts)} rows x {args.max_tokens} "
+    machine = describe(args.threads)
+    print(header(machine))
+    print(f"{len(prompts)} rows x {args.max_tokens} "
           f"tokens, {args.rounds} alternating rounds (default LLM(): {llm.engine.model.dtype})")
     print("| config | decode tok/s (median) | overhead vs fixed T (median of rounds) |")
     print("|---|---:|---:|")
     for row in rows:
         print(f"| {row['config']} | {row['median_tok_s']:.1f} | "
               f"{100 * row['overhead_vs_fixed']:+.1f} % |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_name(), "threads": args.threads,
-                               "rows": len(prompts), "max_tokens": args.max_tokens,
-                               "rounds": args.rounds, "baseline_tok_s": base,
-                               "results": rows}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, {"machine": machine, "cpu": machine["cpu"], "threads": args.threads,
+                          "rows": len(prompts), "max_tokens": args.max_tokens,
+                          "rounds": args.rounds, "baseline_tok_s": base, "results": rows})
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Figures (median over --repeats, then ours/transformers):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,9 +261,10 @@ def markdown(summary: dict, engines: list[str], meta: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path (default: the engine's embedded model)")
+    add_common_args(ap, out=str(ROOT / "results" / "throughput.json"),
+                    model="GGUF path (default: the engine's embedded model)",
+                    quick="small smoke run")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per figure; medians reported")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 128 (32 with --quick)")
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -273,11 +275,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
-    ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "throughput.json")
     args = ap.parse_args(argv)
+    args.out = Path(args.out)
     q = args.quick
     args.new_tokens = args.new_tokens or (32 if q else 128)
     args.batch_sizes = args.batch_sizes or ([8] if q else [8, 32, 64])
@@ -339,7 +340,8 @@ def main(argv=None) -> None:
         "kv_bytes_per_context_token": 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype.itemsize,
         "chat_template_mismatches_of_50": mismatches,
         "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpu_count": os.cpu_count(), "quick": args.quick,
+        "machine": describe(args.threads), "arch": platform.machine(),
+        "cpu_count": os.cpu_count(), "quick": args.quick,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "entropic_source": next((e.llm.source for e in engines if isinstance(e, Ours)), None),
     }
@@ -352,14 +354,13 @@ def main(argv=None) -> None:
     ratios = None
     if len(names) == 2:
         ratios = {k: summary[names[0]][k] / summary[names[1]][k] for k in summary[names[0]]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "median": summary, "ratio_ours_over_transformers": ratios,
-                                    "samples": samples}, indent=2))
+    write_json(args.out, {"meta": meta, "median": summary,
+                          "ratio_ours_over_transformers": ratios, "samples": samples})
+    print(header(meta["machine"]))
     print(f"model {args.model_path.name}, {args.dtype}, {args.threads} threads, "
           f"{args.new_tokens} new tokens, median of {args.repeats}, load average "
           f"{load_before[0]:.1f} -> {meta['loadavg_after'][0]:.1f}\n")
     print(markdown(summary, names, meta))
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Each round runs the same batch twice, in alternating order: `rows` requests samp
 temperature 1 with seeds, once plain and once with the thermostat (and a trace key). Both do
 the same number of steps (ignore_eos). Reported: median wall time of each, and the median
 of the per-round differences per decode step (rounds alternate so that the machine's drift
-cancels). Prints JSON.
+cancels). Prints JSON, with the machine (`entropic.bench.machine.describe`).
 """
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def main() -> None:
         plain.append(got[False])
         thermo.append(got[True])
         diffs.append((got[True] - got[False]) / a.tokens)
-    print(json.dumps({"rows": a.rows, "tokens": a.tokens, "rounds": a.rounds,
+    from entropic.bench.machine import describe
+
+    print(json.dumps({"machine": describe(), "rows": a.rows, "tokens": a.tokens, "rounds": a.rounds,
                       "plain_s_median": statistics.median(plain),
                       "thermostat_s_median": statistics.median(thermo),
                       "overhead_ms_per_step_median": 1e3 * statistics.median(diffs),

@@ -21,11 +21,12 @@ bf16-torchops and int4-torchops, the same with `kernels="torch"`. Writes results
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
@@ -38,16 +39,14 @@ FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded model)")
+    add_common_args(ap, out=str(ROOT / "results" / "weight_formats.json"),
+                    quick="6 prompts x 24 tokens")
     ap.add_argument("--prompts", type=int, default=None, help="default 32 (6 with --quick)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (24 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--formats", default="bf16,int8,int4",
                     help="compared against fp32; subset of "
                     + ",".join(f for f in FORMATS if f != "fp32"))
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "weight_formats.json")
     a = ap.parse_args(argv)
     a.prompts = a.prompts if a.prompts is not None else (6 if a.quick else 32)
     a.max_tokens = a.max_tokens if a.max_tokens is not None else (24 if a.quick else 64)
@@ -94,14 +93,15 @@ def main(argv=None) -> None:
                         "load_seconds": llm.load_seconds}
         print(f"{fmt}: done", file=sys.stderr, flush=True)
         del llm
-    meta = {"prompts": len(prompts), "max_tokens": a.max_tokens,
+    machine = describe(a.threads)
+    meta = {"machine": machine, "prompts": len(prompts), "max_tokens": a.max_tokens,
             "prompt_tokens": [len(p) for p in prompts], "threads": a.threads,
             "reference": "fp32", "reference_seconds": ref_seconds,
             "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python3"] + sys.argv)}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"meta": meta, "formats": results}, indent=2))
-    print(f"\n{len(prompts)} prompts, {a.max_tokens} greedy tokens each, against fp32 "
+    write_json(a.out, {"meta": meta, "formats": results})
+    print("\n" + header(machine))
+    print(f"{len(prompts)} prompts, {a.max_tokens} greedy tokens each, against fp32 "
           f"({results[a.formats[0]]['positions']} teacher-forced positions)\n")
     print("| format | top-1 agreement | mean KL (nats) | mean abs entropy diff (nats) "
           "| max abs logit diff | greedy identical | mean common prefix |")
@@ -110,7 +110,6 @@ def main(argv=None) -> None:
         print(f"| {fmt} | {r['top1_agreement']:.4f} | {r['mean_kl']:.5f} | "
               f"{r['mean_abs_entropy_diff']:.4f} | {r['max_logit_diff']:.3f} | "
               f"{r['greedy_identical']:.2f} | {r['greedy_mean_common_prefix']:.1f} / {a.max_tokens} |")
-    print(f"\nwrote {a.out}")
 
 
 if __name__ == "__main__":

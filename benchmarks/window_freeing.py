@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from entropic.bench.machine import cpu_name
+from entropic.bench.machine import add_common_args, describe, header, write_json
 
 
 def build_mistral(folder: Path, window: int, layers: int, vocab: int = 512) -> None:
@@ -88,8 +88,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--quick", action="store_true", help="window 64, 256 tokens")
-    ap.add_argument("--out", type=Path, default=Path("results/window_freeing.json"))
+    add_common_args(ap, threads=1, out="results/window_freeing.json", model=False,
+                    quick="window 64, 256 tokens")
     a = ap.parse_args(argv)
     if a.quick:
         a.window, a.tokens, a.prompt_tokens = 64, 256, 32
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     from entropic import LLM
     from entropic.engine.engine import LLMEngine
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         build_mistral(Path(tmp), a.window, a.layers)
         ctx = a.prompt_tokens + a.tokens
@@ -116,14 +116,15 @@ def main(argv=None) -> None:
             e = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, free_outside_window=free))
             res["freed" if free else "kept"] = run(e, prompts, a.tokens)
     same = res["freed"].pop("tokens") == res["kept"].pop("tokens")
-    report = {"machine": cpu_name(), "threads": 1,
+    machine = describe(a.threads)
+    report = {"machine": machine, "threads": a.threads,
               "args": {k: v for k, v in vars(a).items() if k != "out"},
               "identical_tokens": same, **res,
               "gemma3_270m_per_layer_group": [hybrid_gemma3(n) for n in
                                               (512, 1024, 4096, 8192, 32768)]}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1))
+    print(header(machine))
     print(json.dumps(report, indent=1))
+    write_json(a.out, report)
     if not same:
         raise SystemExit("freeing changed the tokens")
 

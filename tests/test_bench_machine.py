@@ -24,3 +24,34 @@ def test_common_options_and_json_output(tmp_path):
     assert not hasattr(ap.parse_args([]), "model") and not hasattr(ap.parse_args([]), "quick")
     p = machine.write_json(tmp_path / "sub" / "r.json", {"a": 1, "b": [1.5]})
     assert json.loads(p.read_text()) == {"a": 1, "b": [1.5]}
+
+
+def test_options_keep_each_scripts_own_defaults_and_choices():
+    ap = argparse.ArgumentParser()
+    machine.add_common_args(ap, threads=None, out="results", out_help="folder for r.json",
+                            model="GGUF path only", threads_choices=(1, 2))
+    assert ap.parse_args([]).threads is None  # torch's own default
+    assert ap.parse_args(["--threads", "2"]).threads == 2
+    try:
+        ap.parse_args(["--threads", "3"])
+        raise AssertionError("--threads 3 accepted outside the choices")
+    except SystemExit:
+        pass
+    help_text = ap.format_help()
+    assert "GGUF path only" in help_text and "folder for r.json" in help_text
+
+
+def test_benchmarks_share_the_helpers_and_leave_sys_path_alone():
+    """Every benchmark that times something takes the shared options and records the
+    machine; the data makers (make_*.py) take only what applies; none edits sys.path."""
+    from pathlib import Path
+    scripts = sorted((Path(__file__).parents[1] / "benchmarks").glob("*.py"))
+    assert scripts
+    for f in scripts:
+        text = f.read_text()
+        assert "sys.path" not in text, f.name
+        if f.name.startswith("make_"):
+            continue
+        assert "describe(" in text, f"{f.name} does not record the machine"
+        if f.name != "vllm_plugin_overhead.py":  # takes none of the options (vLLM's venv)
+            assert "add_common_args(" in text, f"{f.name} has its own --threads/--out"

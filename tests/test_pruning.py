@@ -247,8 +247,9 @@ def test_pruned_decode_reads_fewer_kv_bytes_and_stays_close(llm_fp32, chat_promp
 
 @pytest.mark.model
 def test_prefill_copied_into_another_engine_decodes_the_same(llm_fp32, chat_prompts):
-    """The pruning benchmark prefills once and copies the KV into each configuration's
-    engine: decoding from the copy must give what a full run gives."""
+    """The pruning benchmark prefills once and moves the KV blocks into each
+    configuration's engine through the prefix cache (export/import): decoding from them
+    must give what a full run gives, and the pool must be whole afterwards."""
     from entropic.bench.forking import PrefilledPrompt
     from entropic.engine.engine import LLMEngine
     eng = llm_fp32.engine

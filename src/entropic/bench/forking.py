@@ -1,24 +1,25 @@
 """Benchmark helpers: decode the same prefilled prompt under several engines.
 
 Prefill is dense in every KV-block pruning configuration, and an 8k-token prefill takes
-~45 s on this CPU, so the pruning benchmark prefills each prompt once and copies its KV
-blocks into a fresh engine per configuration (`PrefilledPrompt.start_in`). Only the decode
-steps then differ between configurations, which is what the benchmark measures.
+~45 s on this CPU, so the pruning benchmark prefills each prompt once and moves its KV
+blocks into a fresh engine per configuration through the prefix cache
+(`LLMEngine.export_prefix` / `import_prefix`, `PrefilledPrompt.start_in`). Each engine then
+computes only the prompt's tail (at least its last token, whose logits give the first
+token; dense in every configuration) and decodes: the decode steps are what differ between
+configurations, which is what the benchmark measures.
 
 `TeacherForcer` is a sampler-chain element that forces given continuation tokens and keeps
 the model's log-distribution at each step (for perplexity and KL against dense).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from entropic.engine.engine import LLMEngine
-from entropic.engine.request import RequestStatus
-from entropic.engine.scheduler import SampledToken
+from entropic.engine.prefix_snapshot import PrefixSnapshot
 from entropic.sampling.sampler import SamplingBatch
 from entropic.sampling_params import SamplingParams
 
@@ -57,57 +58,51 @@ class TeacherForcer:
 
 @dataclass
 class PrefilledPrompt:
-    """A prompt's KV after a dense prefill, and the first token sampled from it."""
+    """A prompt's KV after a dense prefill, as a prefix-cache snapshot
+    (`LLMEngine.export_prefix`): its full blocks, with the surprisal of their positions
+    when the prefill scored the prompt (`prompt_logprobs`)."""
 
     prompt: list[int]
-    kv: torch.Tensor  # [layers, len(prompt), 2, kv_heads, head_dim]
-    first: SampledToken
-    prompt_surprisal: list[float] = field(default_factory=list)  # positions 1..len-1
+    snapshot: PrefixSnapshot
 
     @classmethod
     def run(cls, engine: LLMEngine, prompt: list[int], params: SamplingParams,
             rid: str = "prefill") -> "PrefilledPrompt":
-        """Prefill `prompt` on `engine` (dense), keep its KV, abort the request."""
+        """Prefill `prompt` on `engine` (dense, prefix caching on), export its cached
+        blocks, abort the request. Give `params` prompt_logprobs for the blocks to carry
+        prompt surprisal: without it a surprisal-ranking engine cannot start on them and
+        computes the whole prompt."""
+        if not engine.config.enable_prefix_caching:
+            raise ValueError("PrefilledPrompt needs an engine with prefix caching on")
         engine.add_request(rid, prompt, params)
-        req = engine.scheduler.requests[rid]
-        while req.num_output_tokens == 0:
-            engine.step()
-        slots = _slots(engine.kv.block_table(rid), len(prompt), engine.config.block_size)
-        kv = engine.runner.kv.kv[:, slots].clone()
-        lp = req.logprobs[0].logprob if req.logprobs else -float("nan")
-        first = SampledToken(req.token_ids[-1], req.entropies[0], req.temperatures[0], lp,
-                             tempered_entropy=req.tempered_entropies[0])
-        surprisal = ([-e.logprob for e in req.prompt_logprobs[1:]]
-                     if req.prompt_logprobs else [])
+        out = None
+        while out is None and engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.request_id == rid), None)
+        if out is None or out.error:
+            raise RuntimeError(f"prefill of {rid!r} failed: {out and out.error}")
+        snapshot = engine.export_prefix(prompt)
         engine.abort_request(rid)
-        return cls(list(prompt), kv, first, surprisal)
+        return cls(list(prompt), snapshot)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """The prompt's blocks a request starts on in every engine: those a request whose
+        block policy ranks blocks by prompt surprisal can use (one short of the scored
+        blocks: the next one's first score is needed; docs/prefix_caching.md), which is
+        fewer than a plain request could (its last token, whose logits give the first
+        token, always computed)."""
+        bs = self.snapshot.block_size
+        return max(0, min(self.snapshot.num_blocks - 1, (len(self.prompt) - 1) // bs))
 
     def start_in(self, engine: LLMEngine, rid: str, params: SamplingParams) -> None:
-        """Add the request to `engine` as if it had just been prefilled there."""
-        sched = engine.scheduler
+        """Add the request to `engine` on the prefilled blocks: they are imported into its
+        prefix cache, and the request's admission finds `num_cached_blocks` of them, in
+        every configuration: each then computes the same tail of the prompt (densely, as
+        any prefill) and samples the first token from the same numbers (in an engine that
+        has not cached more of this prompt already). A surprisal-ranking engine gets the
+        block after them too, for its first score."""
+        policy = engine.block_policy
+        scored = policy is not None and policy.wants_prompt_surprisal
+        n = self.num_cached_blocks
+        engine.import_prefix(self.snapshot.head(n + 1 if scored else n))
         engine.add_request(rid, self.prompt, params)
-        req = sched.requests[rid]
-        if not engine.kv.allocate(rid, len(self.prompt)):
-            raise RuntimeError(f"{rid}: not enough KV blocks for a {len(self.prompt)}-token prompt")
-        slots = _slots(engine.kv.block_table(rid), len(self.prompt), engine.config.block_size)
-        engine.runner.kv.kv[:, slots] = self.kv
-        bs = engine.config.block_size  # the full blocks' key bounds, where the cache keeps them
-        engine.runner.kv.update_key_bounds(engine.kv.block_table(rid)[:len(self.prompt) // bs])
-        sched.waiting.remove(req)
-        sched.running.append(req)
-        req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = len(self.prompt)
-        now = time.perf_counter()
-        req.metrics.first_scheduled_time = now
-        sched._append(req, self.first, now)
-        if engine.observer is not None:
-            engine.observer.observe(rid, self.first.entropy)
-        if engine.block_policy is not None:
-            n = len(self.prompt)
-            engine.block_policy.observe(req, range(1, n), self.prompt_surprisal, None, None)
-            engine.block_policy.observe(req, [n], [-self.first.logprob], None, None)
-
-
-def _slots(table: list[int], n: int, block_size: int) -> torch.Tensor:
-    return torch.tensor([table[p // block_size] * block_size + p % block_size
-                         for p in range(n)], dtype=torch.long)

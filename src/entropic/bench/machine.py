@@ -58,15 +58,19 @@ def header(info: dict) -> str:
             f"load {info['load_avg'][0]:.1f}")
 
 
-def add_common_args(ap: argparse.ArgumentParser, *, threads: int = 2, out: str,
-                    model: bool = True, quick: str | None = "a small, fast run") -> None:
-    """--threads, --out (JSON), and where asked --model (GGUF file or HF directory; default
-    the embedded model) and --quick."""
-    ap.add_argument("--threads", type=int, default=threads, help="torch CPU threads")
-    ap.add_argument("--out", default=out, help="JSON file to write")
+def add_common_args(ap: argparse.ArgumentParser, *, threads: int | None = 2, out: str,
+                    model: bool | str = True, quick: str | None = "a small, fast run",
+                    out_help: str = "JSON file to write",
+                    threads_choices: tuple[int, ...] | None = None) -> None:
+    """--threads (None: torch's default), --out (JSON; a script that writes a folder says
+    so in `out_help`), and where asked --model (GGUF file or HF directory; default the
+    embedded model; a string: its help text) and --quick."""
+    ap.add_argument("--threads", type=int, default=threads, choices=threads_choices,
+                    help="torch CPU threads" + (" (default: torch's)" if threads is None else ""))
+    ap.add_argument("--out", default=out, help=out_help)
     if model:
-        ap.add_argument("--model", default=None,
-                        help="local GGUF file or HF directory (default: the embedded model)")
+        ap.add_argument("--model", default=None, help=model if isinstance(model, str) else
+                        "local GGUF file or HF directory (default: the embedded model)")
     if quick is not None:
         ap.add_argument("--quick", action="store_true", help=quick)
 

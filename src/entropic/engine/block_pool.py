@@ -5,6 +5,10 @@ A block is free iff its reference count is 0. A free block may still hold cached
 that was published under a hash (docs/prefix_caching.md) keeps it, and can be taken
 back by a later request with the same prefix, until its memory is needed. Allocation takes
 plain free blocks first, then evicts cached free blocks in least-recently-used order.
+
+A published block may also carry the surprisal of its positions (`scores`): what a block
+policy that ranks blocks by prompt surprisal needs to start on a cache hit. The scores are
+stored with the block's hash and dropped with it when the block is evicted.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash: list[Hashable | None] = [None] * num_blocks
         self._by_hash: dict[Hashable, int] = {}
+        self._scores: list[tuple | None] = [None] * num_blocks  # per published block
         self.num_cache_evictions = 0  # cached blocks whose KV was dropped for new use
 
     @property
@@ -65,6 +70,7 @@ class BlockPool:
                 b, _ = self._free_cached.popitem(last=False)
                 del self._by_hash[self._hash[b]]
                 self._hash[b] = None
+                self._scores[b] = None
                 self.num_cache_evictions += 1
             self._ref[b] = 1
             out.append(b)
@@ -94,17 +100,27 @@ class BlockPool:
         return self._ref[block]
 
     # ---- the prefix cache's index ---------------------------------------------------
-    def publish(self, block: int, key: Hashable) -> bool:
+    def publish(self, block: int, key: Hashable, scores: tuple | None = None) -> bool:
         """Index an in-use, full block under `key` (the hash of its content and of every
-        token before it). False if another block already holds that content (the first
-        stays the cached one) or the block is published already."""
+        token before it), with the surprisal of its positions if known (`scores`). False
+        if another block already holds that content (the first stays the cached one) or
+        the block is published already; `scores` then fill in the cached block's if it has
+        none (they score the same tokens after the same prefix)."""
         if self._ref[block] <= 0:
             raise BlockPoolError(f"cannot publish free block {block}")
         if self._hash[block] is not None or key in self._by_hash:
+            cached = self._by_hash.get(key)
+            if scores is not None and cached is not None and self._scores[cached] is None:
+                self._scores[cached] = tuple(scores)
             return False
         self._hash[block] = key
         self._by_hash[key] = block
+        self._scores[block] = tuple(scores) if scores is not None else None
         return True
+
+    def scores(self, block: int) -> tuple | None:
+        """The surprisal of a published block's positions, if it was published with it."""
+        return self._scores[block]
 
     def lookup(self, key: Hashable) -> int | None:
         """The block cached under `key`, in use or free; None if there is none."""

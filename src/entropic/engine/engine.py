@@ -16,6 +16,7 @@ from entropic.engine.detokenizer import IncrementalDetokenizer
 from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.model_runner import ModelOutput, ModelRunner, verify_rows
 from entropic.engine.policy import SchedulingPolicy
+from entropic.engine.prefix_snapshot import PrefixSnapshot, export_prefix, import_prefix
 from entropic.engine.request import Request, RequestStatus
 from entropic.engine.scheduler import DraftPolicy, ScheduledChunk, Scheduler, SchedulerOutput
 from entropic.kernels.backend import TORCH
@@ -222,6 +223,20 @@ class LLMEngine:
         self._release([request_id])
         return out
 
+    # ---- the prefix cache between engines ------------------------------------------------
+    def export_prefix(self, token_ids: Sequence[int]) -> PrefixSnapshot:
+        """A copy of the cached full blocks that begin `token_ids` (keys, KV, the surprisal
+        of their positions where known), for `import_prefix` on an engine of the same
+        model, dtype, kernels and block size (docs/prefix_caching.md)."""
+        return export_prefix(self, token_ids)
+
+    def import_prefix(self, snapshot: PrefixSnapshot) -> int:
+        """Publish a snapshot's blocks in this engine's prefix cache (as cached free
+        blocks), so that a request added next with that prefix starts on them. Returns the
+        blocks written; raises, changing nothing, on a mismatch or too few free blocks.
+        Call it between steps."""
+        return import_prefix(self, snapshot)
+
     def _release(self, request_ids: list[str]) -> None:
         """The one release path of finished requests: every hook forgets them."""
         self.runner.sampler.release(request_ids)
@@ -401,6 +416,9 @@ class LLMEngine:
     def _observe_chunk(self, c: ScheduledChunk, req: Request, result: ModelOutput) -> None:
         """One chunk's surprisals (prompt scores, sampled token) and attention mass."""
         positions, surprisal = [], []
+        if c.cached_surprisal:  # positions a prefix-cache hit spared computing
+            positions += range(1, 1 + len(c.cached_surprisal))
+            surprisal += c.cached_surprisal
         ps = result.prompt_scores.get(c.request_id)
         if ps is not None:
             positions += range(c.start_pos + 1, c.start_pos + 1 + len(ps.logprobs))

@@ -146,9 +146,41 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def publish(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+    def cached_scored_prefix(self, request_id: str, token_ids: Sequence[int], max_tokens: int
+                             ) -> tuple[list[int], list[float | None]]:
+        """`cached_prefix` for a request that needs the surprisal of every position of
+        `token_ids` (a block policy that ranks blocks by it): only blocks published with
+        their positions' surprisal, and the surprisal of positions 0 .. the first one
+        computed (entry 0, token 0's, is None). The first computed position's surprisal
+        comes from the row before it, inside the hit: so the hit stops one block short of
+        the chain found, whose next block supplies that score (a hit of m blocks needs
+        m + 1 scored blocks in the cache). ([], [None]) if nothing usable is cached."""
+        if not self.prefix_caching:
+            return [], [None]
+        bs = self.block_size
+        chain = []
+        for h in self._hashes_of(request_id, token_ids, len(token_ids) // bs):
+            b = self.pool.lookup(h)
+            if b is None or self.pool.scores(b) is None:
+                break
+            chain.append(b)
+        m = min(len(chain) - 1, max_tokens // bs)
+        if m <= 0:
+            return [], [None]
+        scores = [s for b in chain[:m + 1] for s in self.pool.scores(b)]
+        return chain[:m], scores[:m * bs + 1]
+
+    def prefix_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The prefix cache's keys of the full blocks of `token_ids` in this cache (its
+        salt: the model, dtype and kernels)."""
+        return block_hashes(token_ids, self.block_size, self._root)
+
+    def publish(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                surprisal: Sequence[float | None] = ()) -> int:
         """Publish the request's full blocks among its first `num_tokens` tokens, whose KV
-        the caller vouches is computed and final. Returns how many were newly indexed."""
+        the caller vouches is computed and final; `surprisal`: the known surprisal of its
+        positions from 0 on (entry 0 None), stored with each block it covers. Returns how
+        many were newly indexed."""
         if not self.prefix_caching:
             return 0
         table = self._tables.get(request_id)
@@ -158,10 +190,12 @@ class KVCacheManager:
         full = min(num_tokens // self.block_size, len(table))
         if full <= done:
             return 0
-        new = 0
+        new, bs = 0, self.block_size
         for i, h in enumerate(self._hashes_of(request_id, token_ids, full)[done:], done):
             if table[i] != EVICTED:
-                new += self.pool.publish(table[i], h)
+                scores = (surprisal[i * bs:(i + 1) * bs] if len(surprisal) >= (i + 1) * bs
+                          else None)
+                new += self.pool.publish(table[i], h, scores)
         self._published[request_id] = full
         return new
 

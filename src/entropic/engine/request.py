@@ -53,6 +53,11 @@ class Request:
         # entry i scores prompt token i given the tokens before it; token 0 has no score
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        # surprisal (-log p) of prompt token i given the tokens before it, for positions
+        # 0.. as far as all are known (computed or found in the prefix cache); token 0 has
+        # none. Kept only where the runner scores prompt tokens (prompt logprobs or a block
+        # policy's prompt surprisal); published blocks carry it.
+        self.prompt_surprisal: list[float | None] = [None]
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # set with FINISHED_ERROR
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)

@@ -46,6 +46,10 @@ class ScheduledChunk:
     # (token_ids[1:]); each of the chunk's rows is sampled, and the drafted tokens are
     # committed while they match what the target model samples.
     draft: list[int] = field(default_factory=list)
+    # The first chunk after a prefix-cache hit of a request whose block policy wants prompt
+    # surprisal: the surprisal of positions 1..start_pos, found with the cached blocks
+    # (the runner computes those of the positions after start_pos).
+    cached_surprisal: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -200,6 +204,7 @@ class Scheduler:
         queue = self.policy.order(self.running, self.waiting, step)
         preempted: set[str] = set()
         memory_tight = admission_closed = False
+        scored_hits: dict[str, list[float]] = {}  # admitted on a hit with surprisal
         for i, req in enumerate(queue):
             if budget <= 0:
                 break
@@ -215,12 +220,14 @@ class Scheduler:
             else:
                 if memory_tight or admission_closed:
                     continue
-                hit = self._cached_prefix(req)
+                hit, surprisal = self._cached_prefix(req)
                 computed = req.num_computed_tokens + len(hit) * self.kv.block_size
                 n = min(req.num_tokens - computed, budget)
-                if not self._admit(req, n, later, out, preempted, hit):
+                if not self._admit(req, n, later, out, preempted, hit, surprisal):
                     admission_closed = True
                     continue
+                if hit and len(surprisal) > 1:
+                    scored_hits[req.request_id] = surprisal[1:]
             req.last_served_step = step
             granted.append((req, n))
             budget -= n
@@ -244,6 +251,7 @@ class Scheduler:
                 collect_attention=collect and not draft,
                 attend_budget=attend_budget,
                 draft=draft,
+                cached_surprisal=scored_hits.get(req.request_id),
             ))
         return out
 
@@ -353,25 +361,31 @@ class Scheduler:
             later.remove(victim)
         return True
 
-    def _cached_prefix(self, req: Request) -> list[int]:
+    def _cached_prefix(self, req: Request) -> tuple[list[int], list[float | None]]:
         """Published blocks a waiting request holding no KV can start on (prefix caching):
-        full blocks only, never the one with its last token (whose logits it samples from).
-        A request that still wants prompt scores (prompt logprobs, or the block policy's
-        prompt surprisal) computes its whole prompt instead."""
+        full blocks only, never the one with its last token (whose logits it samples from),
+        and the surprisal of positions 0..the first computed one where the cache has it
+        (else [None]). A request that still wants prompt logprobs computes its whole prompt
+        instead; one whose block policy wants prompt surprisal starts only on blocks that
+        carry it, within its prompt (docs/prefix_caching.md)."""
         if (not self.kv.prefix_caching or req.num_computed_tokens
                 or self.kv.block_table(req.request_id)):
-            return []
+            return [], [None]
         scores = req.prompt_logprobs
         if scores is not None and len(scores) < req.num_prompt_tokens:
-            return []
+            return [], [None]
         if self.block_policy is not None and self.block_policy.wants_prompt_surprisal:
-            return []
-        return self.kv.cached_prefix(req.request_id, req.token_ids, req.num_tokens - 1)
+            return self.kv.cached_scored_prefix(
+                req.request_id, req.token_ids[:req.num_prompt_tokens],
+                min(req.num_prompt_tokens, req.num_tokens - 1))
+        return self.kv.cached_prefix(req.request_id, req.token_ids, req.num_tokens - 1), [None]
 
     def _admit(self, req: Request, n: int, later: list[Request], out: SchedulerOutput,
-               preempted: set[str], hit: list[int]) -> bool:
+               preempted: set[str], hit: list[int],
+               surprisal: list[float | None] = (None,)) -> bool:
         """Admit a waiting request, displacing lower-ranked running ones if the policy
-        allows; `hit`: the cached blocks it starts on.
+        allows; `hit`: the cached blocks it starts on, `surprisal`: what the cache knows
+        of its positions' surprisal (from position 0).
 
         A request that lost its KV to a preemption comes back only once its whole context
         fits beside one block of growth per running request: readmitted chunk by chunk as
@@ -404,6 +418,8 @@ class Scheduler:
             later.remove(victim)
         if not self.kv.allocate(rid, need, hit):
             return False
+        if not req.num_computed_tokens:  # its KV starts from scratch or from the cache
+            req.prompt_surprisal = list(surprisal)
         if self.kv.prefix_caching and not req.num_computed_tokens:
             self.num_cache_queries += req.num_tokens
             self.num_cache_hits += len(hit) * self.kv.block_size
@@ -495,6 +511,8 @@ class Scheduler:
             decoding = (self.draft_policy is not None and chunk.num_tokens == 1
                         and chunk.start_pos >= req.num_prompt_tokens)
             req.num_computed_tokens += chunk.num_tokens
+            if chunk.score_targets is not None and prompt_scores:
+                self._record_surprisal(req, chunk, prompt_scores.get(chunk.request_id))
             self._publish(req)
             self._free_outside_window(req)
             if (chunk.score_targets is not None and prompt_scores
@@ -573,7 +591,15 @@ class Scheduler:
         limit = min(req.num_computed_tokens, req.num_tokens)
         if self.block_policy is not None:
             limit = min(limit, req.num_prompt_tokens)
-        self.kv.publish(req.request_id, req.token_ids, limit)
+        self.kv.publish(req.request_id, req.token_ids, limit, req.prompt_surprisal)
+
+    @staticmethod
+    def _record_surprisal(req: Request, chunk: ScheduledChunk, scores: PromptScores | None
+                          ) -> None:
+        """Keep the surprisal of the prompt positions the chunk scored, while the request
+        knows every one before them (published blocks carry it)."""
+        if scores is not None and len(req.prompt_surprisal) == chunk.start_pos + 1:
+            req.prompt_surprisal.extend(-lp for lp in scores.logprobs)
 
     @staticmethod
     def _record_prompt(req: Request, chunk: ScheduledChunk, scores: PromptScores) -> None:
