@@ -1,0 +1,73 @@
+"""A logits processor that measures every row's entropy for entropic's scheduler.
+
+    LLM(MODEL, logits_processors=[EntropyLogitsProcessor], scheduler_cls=EntropicScheduler,
+        scheduling_policy="priority")
+
+For each row whose request carries a board tag (`EntropicScheduler` adds it to every
+request's `extra_args`), it computes H = -sum p log p of softmax(logits) and appends
+(tag, output index, H) to the board (`entropic_vllm.board`). It returns the logits
+untouched.
+
+It declares itself *not* argmax-invariant, so vLLM runs it in every step, greedy ones
+included (vLLM skips argmax-invariant processors when the whole batch is greedy), on the
+fp32 logits before penalties and temperature (`Sampler.apply_logits_processors`, after the
+allowed-token mask, bad words and vLLM's built-in min-tokens and logit-bias processors):
+the model's temperature-1 entropy, the quantity entropic's engine gives its clock.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.v1.sample.logits_processor import (BatchUpdate, LogitsProcessor,
+                                             MoveDirectionality)
+
+from entropic.sampling.sampler import entropy_from_logits
+from entropic_vllm.board import BOARD_KEY, TAG_KEY, EntropyBoard
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class EntropyLogitsProcessor(LogitsProcessor):
+    """Writes each tagged row's entropy to the entropy board (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", device: torch.device,
+                 is_pin_memory: bool) -> None:
+        self._rows: dict[int, tuple[int, list[int]]] = {}  # index -> (tag, output list)
+        self._board: EntropyBoard | None = None
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # run in greedy batches too (it never changes the logits)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for i in batch_update.removed:
+            self._rows.pop(i, None)
+        for i, params, _prompt, outputs in batch_update.added:
+            xargs = params.extra_args or {}
+            if TAG_KEY not in xargs:
+                self._rows.pop(i, None)
+                continue
+            path = xargs[BOARD_KEY]
+            if self._board is None or self._board.path != path:
+                self._board = EntropyBoard.open(path)
+            self._rows[i] = (int(xargs[TAG_KEY]), outputs)
+        for a, b, kind in batch_update.moved:
+            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
+            if ra is not None:
+                self._rows[b] = ra
+            if kind is MoveDirectionality.SWAP and rb is not None:
+                self._rows[a] = rb
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._rows or self._board is None:
+            return logits
+        rows = sorted(self._rows)
+        idx = torch.tensor(rows, device=logits.device)
+        h = entropy_from_logits(logits[idx]).tolist()
+        tags = [self._rows[i][0] for i in rows]
+        outputs = [len(self._rows[i][1]) for i in rows]  # the output index this step samples
+        self._board.write(tags, outputs, h)
+        return logits
