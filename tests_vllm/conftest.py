@@ -23,9 +23,13 @@ torch.set_num_threads(1)
 
 
 def vllm_env() -> dict[str, str]:
-    """One core for vLLM's OpenMP threads; no PYTHONPATH leaking entropic's tree into it."""
+    """One core for vLLM's OpenMP threads. PYTHONPATH: this checkout's entropic and
+    entropic-vllm, ahead of the venv's editable installs (which may point at another
+    checkout), and nothing else from entropic's environment."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_CPU_OMP_THREADS_BIND="0", OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0", OMP_NUM_THREADS="1", TQDM_DISABLE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "plugins" / "vllm" / "src"),
+                                           str(ROOT / "src")]))
     return env
 
 
@@ -49,8 +53,11 @@ def hf_dir() -> str:
 
 def _run(vllm_python: str, hf_dir: str, scenario: str, tmp: Path) -> dict:
     out = tmp / f"{scenario}.json"
-    proc = subprocess.run([vllm_python, str(ROOT / "tests_vllm" / "vllm_runs.py"), scenario,
-                           hf_dir, str(out)], env=vllm_env(), capture_output=True, text=True,
+    script, args = "vllm_runs.py", [scenario]
+    if scenario == "scheduler":  # entropic's scheduler: its own script
+        script, args = "sched_runs.py", []
+    proc = subprocess.run([vllm_python, str(ROOT / "tests_vllm" / script), *args, hf_dir,
+                           str(out)], env=vllm_env(), capture_output=True, text=True,
                           timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm_runs.py {scenario} failed ({proc.returncode}):\n"

@@ -4,7 +4,7 @@
 
 One engine, vLLM's default layout on CPU (engine core and worker in two processes, so the
 entropies cross the board between processes), two running slots (max_num_seqs=2) so that
-admission binds, small aging parameters (W = 4 steps, R = 2 steps) so that aging engages
+admission binds, small aging parameters (W = 8 steps, R = 4 steps) so that aging engages
 within a short run. Two phases:
 - greedy: vllm_runs.PROMPTS, 24 greedy tokens each, through LLM.generate (compared with
   the baseline scenario, vLLM's default scheduler);
@@ -22,7 +22,7 @@ import tempfile
 
 from vllm_runs import FP32_TOKEN_BYTES, GREEDY_TOKENS, PROMPTS
 
-MAX_WAIT, MIN_RESIDENCY, SLOTS = 4, 2, 2
+MAX_WAIT, MIN_RESIDENCY, SLOTS = 8, 4, 2
 LONG = ("Summarise the following notes in one line. " * 14).strip()
 SHORTS = ["Hi", "Count: 1, 2,", "Red, green,", "The cat", "Once upon a", "2 + 2 =",
           "Hello world", "A B C", "Yes or no?", "Paris is"]

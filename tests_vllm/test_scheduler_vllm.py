@@ -1,0 +1,106 @@
+"""entropic's scheduling policy inside vLLM (`EntropicScheduler`, CPU build, one engine in
+vLLM's default two-process layout), on the run of tests_vllm/sched_runs.py: greedy requests,
+then a replayed trace (a long prompt, then a stream of short ones) on two running slots.
+
+Everything about the schedule is read from the scheduler's own per-step log: which
+requests were ranked how, which got tokens, which were displaced, which entropies reached
+it from the worker."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+ATOL_H = 2e-3  # nats, as the thermostat tests
+
+
+def core_id(log_id: str, ids: list[str]) -> str:
+    """vLLM appends a suffix to request ids inside the engine: map back to ours."""
+    return next(i for i in ids if log_id == i or log_id.startswith(i + "-"))
+
+
+def trace_steps(res: dict) -> list[dict]:
+    return [e for e in res["log"][res["greedy_steps"]:] if e["order"]]
+
+
+def test_scheduler_greedy_output_unchanged(run_scenario):
+    """The same greedy requests through vLLM's default scheduler (the baseline scenario) and
+    through entropic's (two slots, so a different batching): identical token ids."""
+    base, sched = run_scenario("baseline"), run_scenario("scheduler")
+    assert len(sched["greedy"]) == len(base["greedy"]) == 4
+    for b, s in zip(base["greedy"], sched["greedy"]):
+        assert s["prompt_token_ids"] == b["prompt_token_ids"]
+        assert s["token_ids"] == b["token_ids"]
+
+
+def test_every_token_entropy_reaches_the_scheduler(run_scenario, reference):
+    """Each kept token's entropy crosses from the worker process to the scheduler exactly
+    once (the last token of a request finishes it first, so n - 1 per request), greedy and
+    sampled requests alike; the values are the model's temperature-1 entropies (checked
+    against transformers' fp32 logits of the same weights on the greedy requests)."""
+    res = run_scenario("scheduler")
+    rows = res["greedy"] + res["trace"]
+    observed = [o for e in res["log"] for o in e["observed"]]
+    assert len(observed) == sum(len(r["token_ids"]) - 1 for r in rows)
+    ids = [r["request_id"] for r in rows]
+    by_req: dict[str, dict[int, float]] = {}
+    for rid, n, h in observed:
+        by_req.setdefault(core_id(rid, ids), {})[n] = h
+    for r in res["greedy"]:
+        got = by_req[r["request_id"]]
+        assert sorted(got) == list(range(len(r["token_ids"]) - 1))
+        _, ents = reference(r["prompt_token_ids"], r["token_ids"], {}, 1.0)
+        assert [got[n] for n in sorted(got)] == pytest.approx(ents[:-1], abs=ATOL_H)
+
+
+def test_admission_follows_pi_not_arrival(run_scenario):
+    """At every step the waiting requests vLLM admits are the first ones of entropic's
+    ranking (so vLLM's priority heap carries the ranking), and at least once a request
+    that arrived later was admitted ahead of an earlier, not yet aged one: FIFO would
+    have admitted the earlier one."""
+    res = run_scenario("scheduler")
+    w = res["max_wait"]
+    arrival = {r["request_id"]: i for i, r in enumerate(res["trace"])}
+    ids = list(arrival)
+    overtakes = 0
+    for e in trace_steps(res):
+        waiting = [(rid, age) for rid, _pi, age, running, *_ in e["order"] if not running]
+        admitted = [rid for rid, _ in waiting if rid in e["scheduled"]]
+        assert admitted == [rid for rid, _ in waiting[:len(admitted)]], e
+        for rid in admitted:
+            overtakes += any(arrival[core_id(o, ids)] < arrival[core_id(rid, ids)] and age < w
+                             for o, age in waiting[len(admitted):])
+    assert overtakes >= 1
+
+
+def test_aging_bound_on_replayed_trace(run_scenario):
+    """No request waits longer than entropic's bound W + Q * max(R, P) steps (W = max_wait,
+    R = min_residency, P = the longest prefill in chunks, Q = unfinished requests), counted
+    from the steps at which each request got tokens; and aging is what admitted the long
+    prompt: ranked first when aged, though its pi was the lowest of the waiting ones."""
+    res = run_scenario("scheduler")
+    steps = trace_steps(res)
+    w, r = res["max_wait"], res["min_residency"]
+    longest = max(len(t["prompt_token_ids"]) + len(t["token_ids"]) for t in res["trace"])
+    p = math.ceil(longest / res["max_num_batched_tokens"])
+    q = max(len(e["order"]) for e in steps)
+    bound = w + q * max(r, p)
+    last: dict[str, int] = {}
+    worst: dict[str, int] = {}
+    for e in steps:
+        for rid, *_ in e["order"]:
+            last.setdefault(rid, e["step"] - 1)  # waiting counts from arrival
+            if rid in e["scheduled"]:
+                last[rid] = e["step"]
+            else:
+                worst[rid] = max(worst.get(rid, 0), e["step"] - last[rid])
+    assert len(last) == len(res["trace"])
+    assert max(worst.values()) <= bound, (worst, bound)
+    long_id = next(rid for rid in last if rid.startswith("t01-long"))
+    aged_first = [e for e in steps if e["order"][0][0] == long_id and e["order"][0][2] >= w
+                  and not e["order"][0][3]]
+    assert aged_first, "the long prompt was never admitted by aging"
+    e = aged_first[0]
+    waiting_pi = [pi for rid, pi, _age, running, *_ in e["order"] if not running]
+    assert e["order"][0][1] == min(waiting_pi) and len(waiting_pi) > 1
+    assert long_id in e["scheduled"]
