@@ -152,6 +152,7 @@ class EntropicScheduler(Scheduler):
         self.step = 0
         self.num_displacements = 0
         self.num_entropies = 0
+        self.seconds = 0.0
         self._silent_steps = 0
         self._seq = itertools.count()
         self._tag: dict[str, int] = {}  # request id -> board tag (also its arrival order)
@@ -176,10 +177,12 @@ class EntropicScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any):
         self.step += 1
         step = self.step
+        t0 = time.perf_counter()
         self._forget_finished()
         seen = self._read_board()
         order = self._rank(step)
         displaced = self._displace(order, step)
+        self.seconds = time.perf_counter() - t0  # entropic's share of this step's scheduling
         out = super().schedule(*args, **kwargs)
         for rid in out.num_scheduled_tokens:
             self._last_served[rid] = step
@@ -295,6 +298,7 @@ class EntropicScheduler(Scheduler):
             "scheduled": sorted(out.num_scheduled_tokens),
             "new": [r.req_id for r in out.scheduled_new_reqs],
             "preempted": sorted(out.preempted_req_ids or ()),
-            "observed": seen, "kappa": self.clock.drop_per_nat()}) + "\n")
+            "observed": seen, "kappa": self.clock.drop_per_nat(),
+            "entropic_s": self.seconds}) + "\n")
         self._log.flush()
 
