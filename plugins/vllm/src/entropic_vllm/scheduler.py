@@ -258,7 +258,9 @@ class EntropicScheduler(Scheduler):
     def _displace(self, order: list[_View], step: int) -> list[str]:
         """Free running slots for the best waiting requests where the law allows it; vLLM's
         own admission then takes them in rank order."""
-        free = self.max_num_running_reqs - len(self.running)
+        # vLLM's own admission test (Scheduler.schedule, the waiting loop)
+        free = (self.max_num_active_reqs - len(self.running)
+                - self.num_waiting_for_streaming_input)
         done: list[str] = []
         for i, w in enumerate(order):
             if w.status is RequestStatus.RUNNING or w.req.status not in SCHEDULABLE:
