@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus as VllmStatus
 
@@ -140,7 +139,6 @@ class EntropicScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_layout(self.vllm_config)
-        assert self.policy == SchedulingPolicy.PRIORITY
         self.law_config, log_path = scheduling_config(self.vllm_config.additional_config)
         self.clock = EntropicClock()
         self.law = EntropicPolicy(self.clock, self.law_config)
