@@ -54,12 +54,25 @@ def board_round_trip() -> None:
         check(False, "opening a board that does not exist must raise")
     except RuntimeError as e:
         check("does not share a host" in str(e), f"the error says why: {e}")
+    for other in ("/etc/passwd", os.path.join(os.path.dirname(b.path), "other-file")):
+        try:
+            EntropyBoard.open(other)
+            check(False, f"{other} is not a board and must not be opened")
+        except ValueError as e:
+            check("is not an entropy board" in str(e), str(e))
 
 
 def processor_bookkeeping() -> None:
     b = EntropyBoard.create()
     p = EntropyLogitsProcessor(None, torch.device("cpu"), False)
     check(not p.is_argmax_invariant(), "runs in greedy batches too")
+    EntropyLogitsProcessor.validate_params(SamplingParams(extra_args={"thermostat": {}}))
+    try:  # a client may not name a board: only the scheduler, after validation, does
+        EntropyLogitsProcessor.validate_params(
+            SamplingParams(extra_args={BOARD_KEY: b.path, TAG_KEY: 1}))
+        check(False, "client-supplied board keys must be refused")
+    except ValueError as e:
+        check("reserved for EntropicScheduler" in str(e), str(e))
     tagged = [SamplingParams(temperature=0.0, extra_args={BOARD_KEY: b.path, TAG_KEY: t})
               for t in (10, 11, 12)]
     plain = SamplingParams(temperature=1.0)

@@ -25,6 +25,7 @@ import numpy as np
 
 BOARD_KEY = "entropic_board"  # extra_args: the board's path
 TAG_KEY = "entropic_tag"  # extra_args: the request's tag on the board (an int)
+PREFIX = "entropic-board-"  # file names; the worker opens nothing else
 CAPACITY = 1 << 16  # records; the scheduler reads every step, a step writes <= max_num_seqs
 _HEADER = 1
 
@@ -49,12 +50,16 @@ class EntropyBoard:
 
     @classmethod
     def create(cls) -> "EntropyBoard":
-        path = os.path.join(_directory(), f"entropic-board-{os.getpid()}-{uuid.uuid4().hex}")
+        path = os.path.join(_directory(), f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
         data = np.memmap(path, dtype=np.float64, mode="w+", shape=(_HEADER + 3 * CAPACITY,))
         return cls(path, data, owner=True)
 
     @classmethod
     def open(cls, path: str) -> "EntropyBoard":
+        name = os.path.basename(path)
+        if os.path.dirname(path) != _directory() or not name.startswith(PREFIX):
+            raise ValueError(f"entropic: {path!r} is not an entropy board "
+                             f"({_directory()}/{PREFIX}*)")
         if not os.path.exists(path):
             raise RuntimeError(
                 f"entropic: the entropy board {path} does not exist in this process's "

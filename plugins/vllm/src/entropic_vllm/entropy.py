@@ -26,11 +26,20 @@ from entropic.sampling.sampler import entropy_from_logits
 from entropic_vllm.board import BOARD_KEY, TAG_KEY, EntropyBoard
 
 if TYPE_CHECKING:
+    from vllm import SamplingParams
     from vllm.config import VllmConfig
 
 
 class EntropyLogitsProcessor(LogitsProcessor):
     """Writes each tagged row's entropy to the entropy board (see the module docstring)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: "SamplingParams") -> None:
+        """The board keys are the scheduler's to set (in the engine core, after this check):
+        a client that sent them could make the worker write to a board of its choosing."""
+        given = [k for k in (BOARD_KEY, TAG_KEY) if k in (sampling_params.extra_args or {})]
+        if given:
+            raise ValueError(f"{', '.join(given)}: reserved for EntropicScheduler")
 
     def __init__(self, vllm_config: "VllmConfig", device: torch.device,
                  is_pin_memory: bool) -> None:
