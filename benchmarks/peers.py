@@ -290,13 +290,17 @@ class _VllmPeer:
             from entropic_vllm import ThermostatLogitsProcessor
 
             kw["logits_processors"] = [ThermostatLogitsProcessor]
-        # On the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves; its
-        # default (0.92) fails when the machine's free RAM is below that share. Prefix
+        # On the CPU backend gpu_memory_utilization is the share of RAM vLLM reserves for
+        # KV; its default (0.92) fails when the machine's free RAM is below that share, and
+        # two vLLMs at 0.5 each do not fit beside each other (peers_alternating.py loads
+        # several), so the KV is sized in bytes: 2 GiB, ~93k tokens of SmolLM2 (23 KB
+        # each), enough for 64 requests of 1.4k (these workloads: <= 512 prompt + 128
+        # new; ours gets 1 GiB). Prefix
         # caching is off: every repeat sends the same prompts, and with it on vLLM would
         # serve them from its cache (a 2k prefill measured 0.26 s) instead of computing them,
         # as no other peer here does.
         self.llm = LLM(model=a.model, dtype="bfloat16", max_num_seqs=64,
-                       max_model_len=a.n_ctx, seed=0, gpu_memory_utilization=0.5,
+                       max_model_len=a.n_ctx, seed=0, kv_cache_memory_bytes=2 << 30,
                        enable_prefix_caching=False, **kw)
         import vllm
 
