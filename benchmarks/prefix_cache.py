@@ -31,7 +31,8 @@ import torch
 from entropic import LLM, SamplingParams
 from entropic.bench.machine import add_common_args, describe, header, write_json
 from entropic.bench.datasets import load_sharegpt_prompts
-from entropic.bench.workloads import chat_conversations, shared_system_prompts
+from entropic.bench.workloads import (add_prefix_workload_args, chat_conversations,
+                                      shared_system_prompts)
 from entropic.engine.engine import LLMEngine
 
 
@@ -88,15 +89,7 @@ def med(xs):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first-chars", type=int, default=1500)
-    ap.add_argument("--turn-chars", type=int, default=300)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--system-tokens", type=int, default=1000)
-    ap.add_argument("--system-max-tokens", type=int, default=16)
+    add_prefix_workload_args(ap)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--only", choices=("chat", "system"), default=None,
                     help="run one of the two workloads")

@@ -255,6 +255,7 @@ def markdown(summary: dict, header: str) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     from entropic.bench.machine import add_common_args
+    from entropic.bench.workloads import add_prefix_workload_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, out="results/prefix_cache_peers.json", model=False,
@@ -264,15 +265,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-model", default=None, help="HF directory of the default model")
     ap.add_argument("--vllm-block-size", type=int, default=None,
                     help="vLLM's KV block size (default: vLLM's own, 128 on CPU)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first-chars", type=int, default=1500)
-    ap.add_argument("--turn-chars", type=int, default=300)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--system-tokens", type=int, default=1000)
-    ap.add_argument("--system-max-tokens", type=int, default=16)
+    add_prefix_workload_args(ap)
     ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV memory of each engine")
     ap.add_argument("--engines", default="ours,vllm", help="comma-separated: ours, vllm")
     a = ap.parse_args(argv)

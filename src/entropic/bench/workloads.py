@@ -184,6 +184,20 @@ def chat_conversations(recs: list[dict], conversations: int, turns: int, first_c
             for c in range(conversations)]
 
 
+def add_prefix_workload_args(ap) -> None:
+    """The options of `chat_conversations` and `shared_system_prompts` (and their output
+    lengths and rounds), as the prefix-caching benchmarks take them."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--first-chars", type=int, default=1500)
+    ap.add_argument("--turn-chars", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=48, help="chat reply length cap")
+    ap.add_argument("--requests", type=int, default=64, help="system-prompt requests")
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--system-max-tokens", type=int, default=16)
+
+
 def shared_system_prompts(tokenizer, recs: list[dict], requests: int,
                           system_tokens: int) -> list[list[int]]:
     """`requests` chat prompts that share one ~system_tokens-token system prompt (ShareGPT
