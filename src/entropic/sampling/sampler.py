@@ -8,10 +8,14 @@ Order of operations on one step's logits [S, V] (fp32):
 3. each row's tempered entropy H^T, of softmax(logits / T) at the temperature the row is
    sampled at, before truncation (see `SamplerOutput.tempered_entropies`);
 4. temperature, then top-k, top-p, min-p truncate the tempered distribution;
-5. a token is drawn by the exponential race argmax(p / E), E ~ Exp(1): no sync, no
-   cumsum; a seeded request's E at output position i comes from a generator keyed by
-   (seed, i), so the draw depends only on the seed and the position, never on the batch or
-   on how many positions one step computes (speculative verify rows).
+5. a token is drawn by inversion: the first token whose cumulative probability (fp64)
+   exceeds u times the row's total, u ~ U[0, 1), one uniform per row (a token of
+   probability 0 is never drawn). An exponential race argmax(p / E) needs one Exp(1)
+   draw per token of the vocabulary: 17.5 ms for 16 rows of 49,152 here, against 0.4 ms
+   for the cumulative sums. A seeded request's u at output position i comes from a
+   generator keyed by (seed, i), so the draw depends only on the seed and the position,
+   never on the batch or on how many positions one step computes (speculative verify
+   rows).
 Greedy rows (temperature 0, or below GREEDY_BELOW) take argmax of the raw logits.
 
 Several rows of one request (a speculative verify) are consecutive, in position order;
@@ -300,21 +304,35 @@ class Sampler:
         if any(mp > 0 for mp in min_ps):
             mp = torch.tensor(min_ps, dtype=probs.dtype, device=x.device)
             probs = probs.masked_fill(probs < mp[:, None] * probs.amax(-1, keepdim=True), 0.0)
-        noise = self._exponential_noise(probs.shape, batch, probs.device)
-        return (probs / noise).argmax(dim=-1)
+        return _draw(probs, self._uniforms(batch, probs.device))
 
-    def _exponential_noise(self, shape: torch.Size, batch: SamplingBatch,
-                           device: torch.device) -> torch.Tensor:
-        noise = torch.empty(shape, device=device)
-        seeded = [i for i, p in enumerate(batch.params) if p.seed is not None]
-        if len(seeded) < shape[0]:
-            noise.exponential_()
-        for i in seeded:
+    def _uniforms(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
+        """One u ~ U[0, 1) per row (fp64): a seeded row's from its (seed, position) stream."""
+        u = torch.rand(len(batch.params), dtype=torch.float64, device=device)
+        for i, p in enumerate(batch.params):
+            if p.seed is None:
+                continue
             rid = batch.request_ids[i]
             gen = self._generators.get(rid)
             if gen is None:
                 gen = self._generators[rid] = torch.Generator(device=device)
-            gen.manual_seed(position_seed(batch.params[i].seed, batch.num_output_tokens[i]))
-            noise[i].exponential_(generator=gen)
-        # a zero draw would turn 0/0 into NaN, which argmax would pick
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+            gen.manual_seed(position_seed(p.seed, batch.num_output_tokens[i]))
+            u[i] = torch.rand(1, dtype=torch.float64, generator=gen, device=device)[0]
+        return u
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds u * the row's total.
+
+    The sums are fp64: over 49k terms rounding can move a token's share by at most ~1e-11
+    of the total, where an fp32 running sum could drift by ~1e-3. A token of probability 0 adds
+    nothing to the sum, so the strict comparison never lands on it."""
+    cdf = probs.double().cumsum_(-1)
+    target = (u * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # u < 1 keeps the target below the total, so no row runs off the end; a row with no
+    # mass at all (not reachable: the top token always stays) would, and takes its argmax
+    over = tokens >= probs.shape[-1]
+    if bool(over.any()):
+        tokens = torch.where(over, probs.argmax(-1), tokens)
+    return tokens
