@@ -1,11 +1,11 @@
 """The thermostat processor inside vLLM (offline `vllm.LLM`, CPU build), against entropic.
 
-Tokens cannot match entropic's engine token for token: both draw by the exponential race,
-but from different noise (vLLM: one generator per request, advanced each step; entropic: a
-generator keyed by (seed, position)). What must match is the law: replaying vLLM's own
-tokens through entropic's thermostat on the same weights gives the same temperature at every
-token, up to fp32 differences between the two forward passes (vLLM's CPU kernels against
-transformers').
+Tokens cannot match entropic's engine token for token: they draw differently (vLLM: an
+exponential race with one generator per request, advanced each step; entropic: by inversion,
+one uniform per token from a generator keyed by (seed, position)). What must match is the
+law: replaying vLLM's own tokens through entropic's thermostat on the same weights gives the
+same temperature at every token, up to fp32 differences between the two forward passes
+(vLLM's CPU kernels against transformers').
 """
 import pytest
 
