@@ -60,6 +60,17 @@ def read_line(name: str, p: subprocess.Popen) -> str:
     return line.strip()
 
 
+def read_number(name: str, p: subprocess.Popen) -> float:
+    """The child's next figure, skipping what else it printed (vLLM's engine core logs to
+    stdout, e.g. a warning when it was frozen for a minute)."""
+    while True:
+        line = read_line(name, p)
+        try:
+            return float(line)
+        except ValueError:
+            print(f"{name}: {line[:160]}", file=sys.stderr, flush=True)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,7 +134,7 @@ def main(argv=None) -> None:
                 time.sleep(2)  # let the woken process settle
                 p.stdin.write(f"{a.concurrency}\n")
                 p.stdin.flush()
-                res[name].append(float(read_line(name, p)))
+                res[name].append(read_number(name, p))
                 freeze(name, True)
             print(f"round {r + 1}: " + "  ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()),
                   flush=True)
