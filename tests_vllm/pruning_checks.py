@@ -133,7 +133,7 @@ class Batch:
 
     def plan(self, keep: list[int], writes: BlockWrites, stats: PruningStats) -> DecodePlan:
         n = len(keep)
-        return DecodePlan(torch.tensor([0, 3])[:n], torch.tensor(keep), torch.full((n,), 1),
+        return DecodePlan(BS, torch.tensor([0, 3])[:n], torch.tensor(keep), torch.full((n,), 1),
                           torch.full((n,), 2), writes, self.schedule, stats)
 
 

@@ -125,6 +125,7 @@ class DecodePlan:
     """The builder's decision for one step: the decode rows that prune, their budgets (in
     blocks, sink and recent among them), and how to rebuild vLLM's scheduler metadata."""
 
+    block_size: int  # the KV manager's, in which the budgets count
     rows: torch.Tensor  # [p] int64 batch rows
     keep: torch.Tensor  # [p] int64
     sink: torch.Tensor  # [p] int64
@@ -227,7 +228,7 @@ class PruningMetadataBuilder(CPUAttentionMetadataBuilder):
             sliding_window_size=self.window_size, isa=self.isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=meta.dynamic_causal,
             kv_cache_dtype=self.kv_cache_dtype)
-        return DecodePlan(rows, keep, sink, recent, self.writes,
+        return DecodePlan(bs, rows, keep, sink, recent, self.writes,
                           lambda lens: schedule(seq_lens=lens), SHARED.stats)
 
 
@@ -243,7 +244,8 @@ class PruningAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         plan = getattr(attn_metadata, "plan", None)
-        if plan is not None and self.prunable:
+        # (a kernel block smaller than the manager's would split the budget's blocks: dense)
+        if plan is not None and self.prunable and kv_cache.shape[2] == plan.block_size:
             num_blocks, kv_heads, bs, _ = kv_cache.shape
             key_cache = kv_cache.view(num_blocks, kv_heads, 2 * bs, -1)[:, :, :bs]
             layout = key_layout(layer.isa, kv_cache.dtype, bs, key_cache.shape[-1])
