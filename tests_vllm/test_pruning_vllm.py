@@ -2,7 +2,8 @@
 its attention backend against plain vLLM (the baseline scenario, no plugin).
 
 Two long requests (880-token prompts: 7 of vLLM's 128-token blocks, 8 by the end) opt in,
-beside the four short greedy requests that do not. Greedy decoding, fp32, one core.
+beside the four short greedy requests that do not. The baseline runs the same batch without
+the plugin ("mixed"). Greedy decoding, fp32, one core.
 """
 from vllm_runs import LONG_TOKENS, PROMPTS
 
@@ -18,7 +19,7 @@ def agreement(dense: list[int], pruned: list[int]) -> tuple[int, float]:
 def check_untouched(base: dict, phase: dict) -> None:
     """The requests that did not opt in: plain vLLM's tokens, in a batch that pruned."""
     assert len(phase["greedy"]) == len(PROMPTS)
-    for b, p in zip(base["greedy"], phase["greedy"]):
+    for b, p in zip(base["mixed"]["greedy"], phase["greedy"]):
         assert p["token_ids"] == b["token_ids"]
 
 
@@ -29,7 +30,7 @@ def test_pruning_that_never_binds_gives_plain_vllm_tokens(run_scenario):
     ph = run["never_binds"]
     assert ph["stats"]["decodes"] == 2 * (LONG_TOKENS - 1)  # the first token is prefill's
     assert ph["stats"]["pruned_decodes"] == 0 and ph["stats"]["layer_rows"] == 0
-    for b, p in zip(base["long"], ph["long"]):
+    for b, p in zip(base["mixed"]["long"], ph["long"]):
         assert len(b["token_ids"]) == LONG_TOKENS
         assert p["prompt_token_ids"] == b["prompt_token_ids"]
         assert p["token_ids"] == b["token_ids"]
@@ -49,7 +50,7 @@ def test_pruned_attention_skips_blocks_and_leaves_other_requests_alone(run_scena
     assert st["blocks_attended"] == 4 * st["layer_rows"]
     assert 7 * st["layer_rows"] <= st["blocks_live"] <= 8 * st["layer_rows"]
     check_untouched(base, ph)
-    for b, p in zip(base["long"], ph["long"]):
+    for b, p in zip(base["mixed"]["long"], ph["long"]):
         assert p["token_ids"][0] == b["token_ids"][0]  # sampled after the (dense) prefill
         prefix, share = agreement(b["token_ids"], p["token_ids"])
         print(f"fixed quarter: {st['blocks_attended'] / st['blocks_live']:.2f} of the blocks "
@@ -67,7 +68,7 @@ def test_entropy_law_and_the_no_regret_gate(run_scenario):
     assert ad["decodes"] == 2 * (LONG_TOKENS - 1)
     assert ad["blocks_attended"] >= 4 * ad["layer_rows"]
     check_untouched(base, run["adaptive"])
-    for b, p in zip(base["long"], run["adaptive"]["long"]):
+    for b, p in zip(base["mixed"]["long"], run["adaptive"]["long"]):
         prefix, share = agreement(b["token_ids"], p["token_ids"])
         frac = ad["blocks_attended"] / ad["blocks_live"] if ad["blocks_live"] else 1.0
         print(f"entropy law: {ad['pruned_decodes']}/{ad['decodes']} decodes pruned, {frac:.2f} "

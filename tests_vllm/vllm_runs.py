@@ -12,7 +12,7 @@ Scenarios:
   trace extension; the greedy requests beside two long ones (880-token prompts) that opt in
   to pruning, in phases: a config that never binds, a fixed quarter budget, the entropy
   law, the default no-regret gate; the backend's counters after each phase.
-(baseline also runs the two long prompts, plain.)
+(baseline also runs the greedy requests beside the two long prompts, plain: "mixed".)
 One thread (VLLM_CPU_OMP_THREADS_BIND=0 is set by the caller), fp32, eager (no compile).
 """
 from __future__ import annotations
@@ -92,12 +92,12 @@ def pruning_phases(llm, greedy) -> dict:
     fetch_pruning_stats(llm)  # zero the counters
     out: dict = {}
     for name, cfg in PRUNING.items():
-        outs = llm.generate(PROMPTS + longs, greedy + [long_greedy(cfg)] * len(longs),
+        outs = llm.generate(PROMPTS + longs, greedy + [long_greedy(cfg) for _ in longs],
                             use_tqdm=False)
         rows = record(outs)
         out[name] = {"config": cfg, "greedy": rows[:len(PROMPTS)], "long": rows[len(PROMPTS):],
                      "stats": fetch_pruning_stats(llm)}
-    llm.generate(longs, [long_greedy({})] * len(longs), use_tqdm=False)
+    llm.generate(longs, [long_greedy({}) for _ in longs], use_tqdm=False)
     out["gate"] = {"config": {}, "stats": fetch_pruning_stats(llm)}
     try:
         llm.generate(["x"], SamplingParams(max_tokens=2, extra_args={"pruning": {"score": "mass"}}),
@@ -123,9 +123,11 @@ def main() -> None:
     if scenario == "baseline":
         llm = build(hf_dir, False, 4096, 1024)
         result["greedy"] = record(llm.generate(PROMPTS, greedy, use_tqdm=False))
+        # the pruning scenario's batches, plain: the greedy requests beside the long ones
         longs = long_prompts(llm)
-        result["long"] = record(llm.generate(longs, [long_greedy(None)] * len(longs),
-                                             use_tqdm=False))
+        rows = record(llm.generate(PROMPTS + longs,
+                                   greedy + [long_greedy(None) for _ in longs], use_tqdm=False))
+        result["mixed"] = {"greedy": rows[:len(PROMPTS)], "long": rows[len(PROMPTS):]}
     elif scenario == "pruning":
         llm = build(hf_dir, "pruning", 4096, 1024)
         result.update(pruning_phases(llm, greedy))
