@@ -53,6 +53,8 @@ def check_params() -> None:
     check(cfg is not None and cfg.score == "bound" and cfg.min_blocks == 4, "defaults")
     cfg = parse_pruning({"pruning_min_keep_fraction": 0.5, "pruning_min_blocks": 2})
     check(cfg.min_keep_fraction == 0.5 and cfg.min_blocks == 2, "flat keys")
+    check(parse_pruning({"pruning_adaptive": 0}).adaptive is False, "adaptive as 0")
+    refused({"pruning": {"adaptive": "no"}}, "pruning.adaptive must be true or false")
     refused({"pruning": {"score": "mass"}}, "only 'bound' on vLLM")
     refused({"pruning": {"evict": True}}, "unknown or unsupported field(s) ['evict']")
     refused({"pruning": {"min_blocks": 2.5}}, "pruning.min_blocks must be an integer")

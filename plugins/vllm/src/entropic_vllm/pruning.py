@@ -79,9 +79,10 @@ def parse_pruning(extra_args: Mapping[str, Any] | None) -> PruningConfig | None:
             if value != "bound":
                 raise ValueError(f"pruning.score: only 'bound' on vLLM (query-aware, from "
                                  f"the KV cache itself), got {value!r}")
-        elif name == "adaptive":
-            if not isinstance(value, bool):
+        elif name == "adaptive":  # 0 / 1 too: vllm_xargs may hand a JSON boolean as an int
+            if not isinstance(value, int) or value not in (0, 1):
                 raise ValueError(f"pruning.adaptive must be true or false, got {value!r}")
+            value = bool(value)
         elif name in INTS:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"pruning.{name} must be an integer, got {value!r}")
