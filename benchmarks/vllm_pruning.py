@@ -11,7 +11,8 @@ in configurations taken in rotated order within each round: dense (no opt-in), f
 fractions of the live blocks (gate off) and the default config (entropy law and no-regret
 gate). Reported per configuration: median wall time, decode ms per step, the ratio to
 dense within each round, the blocks attended (backend counters) and the greedy tokens
-equal to dense before the first difference. Prints JSON, with the machine.
+equal to dense before the first difference. Writes JSON, with the machine, to --out
+(default: stdout, where vLLM's own log lines also go).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -101,7 +103,11 @@ def main() -> None:
                                 if st.get("blocks_live") else 1.0),
             "pruned_decodes": st.get("pruned_decodes", 0), "decodes": st.get("decodes", 0),
             "equal_to_dense_before_first_difference": agree(n)}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    if a.out:
+        Path(a.out).write_text(text)
+    else:
+        print(text)
 
 
 if __name__ == "__main__":
