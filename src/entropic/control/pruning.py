@@ -197,18 +197,26 @@ class EntropicBlockPruner:
         return max(self.config.min_blocks,
                    math.ceil(self.config.keep_fraction(entropy) * num_live - 1e-9))
 
+    def bound_budget(self, entropy: float | None, num_live: int,
+                     decode_rows: int = 1) -> BlockBudget | None:
+        """Query-aware selection's decision for one decode: the budget of blocks to attend
+        among `num_live`, or None (dense) with no entropy yet, where the no-regret gate is
+        closed, or where the budget covers every live block. (entropic_vllm's attention
+        backend asks this too.)"""
+        if entropy is None or not self.pays(num_live, decode_rows):
+            return None
+        budget = self.budget(entropy, num_live)
+        if budget >= num_live:
+            return None
+        return BlockBudget(budget, self.config.sink_blocks, self.config.recent_blocks)
+
     # ---- the hook -----------------------------------------------------------------------
     def select(self, req: Request, live: list[int], num_blocks: int,
                decode_rows: int = 1) -> BlockSelection:
         cfg = self.config
         if cfg.score == "bound":
-            if not req.entropies or not self.pays(len(live), decode_rows):
-                return BlockSelection(None)
-            budget = self.budget(req.entropies[-1], len(live))
-            if budget >= len(live):
-                return BlockSelection(None)
-            return BlockSelection(None, budget=BlockBudget(budget, cfg.sink_blocks,
-                                                           cfg.recent_blocks))
+            h = req.entropies[-1] if req.entropies else None
+            return BlockSelection(None, budget=self.bound_budget(h, len(live), decode_rows))
         s = self._seqs.setdefault(req.request_id, _Sequence())
         s.grow(num_blocks)
         if not self.pays(len(live), decode_rows):

@@ -264,14 +264,26 @@ def bound_selection(qd: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tenso
     bounds = bounds.view(n, nb_max, 2, kv_heads, -1).permute(0, 3, 1, 2, 4)  # [n, KVH, nb, 2, D]
     q = qd.float()[:, :, :, None, :]  # [n, KVH, rep, 1, D]
     bound = torch.maximum(q * bounds[:, :, None, :, 0], q * bounds[:, :, None, :, 1]).sum(-1)
-    idx = torch.arange(nb_max, device=qd.device)
-    lo = torch.clamp(torch.full_like(nb, sel.sink), max=nb)
-    hi = torch.maximum(lo, nb - sel.recent)
+    return choose_blocks(bound.amax(2), nb, keep, sel.sink, sel.recent)
+
+
+def choose_blocks(score: torch.Tensor, nb: torch.Tensor, keep: torch.Tensor,
+                  sink: int | torch.Tensor, recent: int | torch.Tensor) -> torch.Tensor:
+    """Query-aware selection's rule, given the blocks' scores: score [n, G, nb_max] (G
+    groups, e.g. KV heads, choosing independently), nb [n] blocks of each row, keep [n] the
+    budget, sink and recent (ints, or [n] tensors) the protected blocks. Row r keeps its
+    first `sink` and last `recent` blocks and, of the others, the keep[r] - protected with
+    the highest score (the earlier block first among equals); every block where keep[r] >=
+    nb[r]. Returns [n, G, nb_max] bool (False past a row's nb)."""
+    nb_max = score.shape[-1]
+    idx = torch.arange(nb_max, device=score.device)
+    lo = torch.minimum(torch.as_tensor(sink, device=nb.device).expand_as(nb), nb)
+    hi = torch.maximum(lo, nb - torch.as_tensor(recent, device=nb.device))
     candidate = (idx >= lo[:, None]) & (idx < hi[:, None])  # [n, nb]
     protected = (idx < nb[:, None]) & ~candidate
     want = torch.clamp(keep - lo - (nb - hi), min=0)
-    score = bound.amax(2).masked_fill(~candidate[:, None], float("-inf"))  # [n, KVH, nb]
-    # rank by bound, higher first, earlier block first among equals (a stable sort)
+    score = score.masked_fill(~candidate[:, None], float("-inf"))  # [n, G, nb]
+    # rank by score, higher first, earlier block first among equals (a stable sort)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
     chosen = candidate[:, None] & (rank < want[:, None, None])

@@ -80,7 +80,7 @@ def scheduling_config(additional: dict | None) -> tuple[EntropicSchedulingConfig
             from None
 
 
-def cost_model(vllm_config: Any) -> CostModel:
+def cost_model(vllm_config: Any, kv_element_bytes: int = 2) -> CostModel:
     """entropic's cost model for vLLM's model: only the dense shapes it counts FLOPs from."""
     mc = vllm_config.model_config
     hf = mc.hf_text_config
@@ -92,7 +92,7 @@ def cost_model(vllm_config: Any) -> CostModel:
         num_layers=hf.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
         head_dim=mc.get_head_size(), max_position=mc.max_model_len)
-    return CostModel(cfg, kv_element_bytes=2)
+    return CostModel(cfg, kv_element_bytes=kv_element_bytes)
 
 
 def _is_entropy_processor(p: Any) -> bool:

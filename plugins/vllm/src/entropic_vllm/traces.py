@@ -18,6 +18,7 @@ from typing import Any
 from entropic_vllm.thermostat import ThermostatLogitsProcessor
 
 METHOD = "entropic_pop_traces"
+STATS_METHOD = "entropic_pruning_stats"
 EXTENSION = "entropic_vllm.traces.TraceWorkerExtension"
 
 
@@ -33,6 +34,12 @@ class TraceWorkerExtension:
             if isinstance(p, ThermostatLogitsProcessor):
                 out.update(p.pop_traces(list(keys)))
         return out
+
+    def entropic_pruning_stats(self, reset: bool = True) -> dict[str, int]:
+        """The pruning backend's counters in this worker (entropic_vllm.pruning.PruningStats),
+        reset once read unless `reset` is False."""
+        from entropic_vllm.pruning import SHARED
+        return SHARED.pop_stats(reset)
 
 
 def _merge(results: list[dict]) -> dict[str, dict[str, list[float]]]:
@@ -59,3 +66,13 @@ async def fetch_traces_async(engine_client: Any,
         return _merge(await engine_client.collective_rpc(METHOD, args=(list(keys),)))
     per_engine = await ask_all("collective_rpc", METHOD, None, (list(keys),), None)
     return _merge([r for workers in per_engine for r in workers])
+
+
+def fetch_pruning_stats(llm: Any, reset: bool = True) -> dict[str, int]:
+    """From an offline `vllm.LLM` built with the extension: the pruning counters of its
+    workers, summed (entropic_vllm.pruning.PruningStats)."""
+    total: dict[str, int] = {}
+    for r in llm.collective_rpc(STATS_METHOD, args=(reset,)):
+        for k, v in (r or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
