@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.v1.sample.logits_processor import (BatchUpdate, LogitsProcessor,
-                                             MoveDirectionality)
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from entropic.sampling.sampler import entropy_from_logits
 from entropic_vllm.board import BOARD_KEY, TAG_KEY, EntropyBoard
+from entropic_vllm.rows import apply_moves, drop_removed
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -52,8 +52,7 @@ class EntropyLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        for i in batch_update.removed:
-            self._rows.pop(i, None)
+        drop_removed(self._rows, batch_update)
         for i, params, _prompt, outputs in batch_update.added:
             xargs = params.extra_args or {}
             if TAG_KEY not in xargs:
@@ -63,12 +62,7 @@ class EntropyLogitsProcessor(LogitsProcessor):
             if self._board is None or self._board.path != path:
                 self._board = EntropyBoard.open(path)
             self._rows[i] = (int(xargs[TAG_KEY]), outputs)
-        for a, b, kind in batch_update.moved:
-            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-            if ra is not None:
-                self._rows[b] = ra
-            if kind is MoveDirectionality.SWAP and rb is not None:
-                self._rows[a] = rb
+        apply_moves(self._rows, batch_update)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._rows or self._board is None:

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.v1.sample.logits_processor import (BatchUpdate, LogitsProcessor,
-                                             MoveDirectionality)
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from entropic.control.thermostat import next_temperature
 from entropic.sampling.sampler import entropy_from_logits
 from entropic_vllm.params import RequestThermostat, parse_thermostat, trace_key
+from entropic_vllm.rows import apply_moves, drop_removed
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -103,8 +103,7 @@ class ThermostatLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        for i in batch_update.removed:
-            self._rows.pop(i, None)
+        drop_removed(self._rows, batch_update)
         for i, params, _prompt, outputs in batch_update.added:
             st = self._state_of(params)
             if st is None:
@@ -112,12 +111,7 @@ class ThermostatLogitsProcessor(LogitsProcessor):
                 continue
             st.outputs = outputs
             self._rows[i] = st
-        for a, b, kind in batch_update.moved:
-            sa, sb = self._rows.pop(a, None), self._rows.pop(b, None)
-            if sa is not None:
-                self._rows[b] = sa
-            if kind is MoveDirectionality.SWAP and sb is not None:
-                self._rows[a] = sb
+        apply_moves(self._rows, batch_update)
 
     def _state_of(self, params: "SamplingParams") -> _RequestState | None:
         key = id(params)
