@@ -30,7 +30,8 @@ def _build(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    llm = LLM(**load_kwargs(args), progress=True, max_model_len=None)
+    # one conversation at a time: one running request (what quantization="auto" sizes for)
+    llm = LLM(**load_kwargs(args), progress=True, max_model_len=None, max_num_seqs=1)
     print(loaded_line(llm), file=sys.stderr, flush=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

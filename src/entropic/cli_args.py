@@ -9,7 +9,8 @@ def load_kwargs(args: argparse.Namespace) -> dict:
     """The `LLM(...)` arguments of the options add_load_args added (speculative ones too)."""
     from entropic.speculative.config import speculative_from_args
 
-    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
+    quantization = None if args.quantization == "none" else args.quantization
+    return dict(model=args.model, dtype=args.dtype, quantization=quantization,
                 kernels=args.kernels, enable_prefix_caching=args.enable_prefix_caching,
                 entropy_estimator=args.entropy_estimator,
                 speculative_config=speculative_from_args(args))
@@ -18,6 +19,7 @@ def load_kwargs(args: argparse.Namespace) -> dict:
 def loaded_line(llm) -> str:
     """What was loaded and how, as `generate`, `chat` and `serve` print it."""
     return (f"loaded {llm.source} in {llm.load_seconds:.1f}s; dtype {llm.dtype_reason}; "
+            f"quantization {llm.quantization_reason}; "
             f"entropy {llm.entropy_estimator_reason}")
 
 
@@ -27,8 +29,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (default: bfloat16 on CPUs with bf16 arithmetic, else float32), "
                         "bfloat16 or float32")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantized projections (CPU, bf16 activations)")
+    p.add_argument("--quantization", choices=("auto", "int8", "int4", "none"), default="auto",
+                   help="weight-only quantized projections (CPU, bf16 activations); auto "
+                        "(default): int4 for a 4-bit checkpoint where it was measured faster "
+                        "at the engine's batch size (see docs/performance.md), else none")
     p.add_argument("--kernels", choices=("native", "torch"), default=None,
                    help="native: entropic's C++ CPU kernels for the small per-layer ops and "
                         "decode attention (the CPU default; compiled on first use); torch: "

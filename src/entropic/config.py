@@ -72,6 +72,84 @@ def choose_dtype(dtype: str | torch.dtype, device: str, quantization: str | None
                            "amx_bf16), where bf16 is emulated and slower than fp32")
 
 
+QUANTIZATIONS = ("auto", "int4", "int8")
+
+# quantization="auto", per native kernel level: the largest max_num_seqs at which a
+# checkpoint's own 4-bit weights on entropic's int4 kernels were measured to decode at least
+# as fast as the float format dtype="auto" picks there, at every batch size up to it
+# (docs/performance.md, "quantization='auto'"). A level without a measurement is absent, and
+# auto keeps the float path there.
+INT4_AUTO_MAX_SEQS = {
+    "amx": 2,  # Sapphire Rapids, 2026-12-06: 2.6x bf16 at 1 and 2.4x at 2 requests, 1.1x at
+    # 4 (rounds 0.9-1.5x: not clearly faster), 0.74x at 8
+    "avx512bf16": 1,  # AMD EPYC, 2026-12-03: 2.6x bf16 at 1 request, 0.6x at 16
+    "avx512": 1,  # Xeon without bf16, 2026-12-03: 4.3x fp32 at 1 request, 0.87x at 16
+}
+
+
+def choose_quantization(quantization: str | None, *, dtype: str | torch.dtype, device: str,
+                        kernels: str | None, max_num_seqs: int,
+                        level: str | None = None) -> tuple[str | None, str]:
+    """The quantization to load with, and why. `quantization="auto"` picks int4 (the
+    checkpoint's own 4-bit weights on entropic's int4 kernels) where that was measured to
+    pay: on a CPU whose native kernel level has a measured `INT4_AUTO_MAX_SEQS` at least
+    `max_num_seqs` (a small-batch engine: at larger batches the float kernels win), with
+    bf16 activations allowed (dtype auto or bfloat16) and entropic's kernels; else None (the
+    float path). Whether the checkpoint holds 4-bit weights is known only after reading it:
+    `confirm_int4` settles that. `level` (an ISA level) is for tests; by default the native
+    kernels' own (`entropic.kernels.isa()`, which loads them). Other values are taken as
+    given, or refused with the accepted ones."""
+    if quantization is None:
+        return None, "none: as asked"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None, 'auto', 'int8' or 'int4', got "
+                         f"{quantization!r}")
+    if quantization != "auto":
+        return quantization, f"{quantization}: as asked"
+    if torch.device(device).type != "cpu":
+        return None, f"none: quantization='auto' picks int4 on the CPU only, not on {device}"
+    if not (isinstance(dtype, str) and dtype.lower() == "auto") and \
+            resolve_dtype(dtype) != torch.bfloat16:
+        return None, (f"none: int4 runs on bf16 activations and dtype="
+                      f"{dtype_name(resolve_dtype(dtype))} was asked")
+    if kernels == "torch":
+        return None, "none: int4 pays on entropic's native kernels only, and kernels='torch'"
+    if level is None:
+        from entropic import kernels as native
+
+        try:
+            level = native.isa()
+        except native.KernelBuildError as e:
+            return None, f"none: the native kernels could not be built ({e})"
+    limit = INT4_AUTO_MAX_SEQS.get(level)
+    if limit is None:
+        return None, (f"none: int4 was not measured against the float path at the {level} "
+                      f"kernel level")
+    if max_num_seqs > limit:
+        return None, (f"none: int4 decodes faster than floats at the {level} level only up "
+                      f"to {limit} running request(s) (docs/performance.md), and max_num_seqs "
+                      f"is {max_num_seqs}")
+    return "int4", (f"int4: the checkpoint's 4-bit weights decode faster than floats at "
+                    f"the {level} level up to {limit} running request(s), and max_num_seqs is "
+                    f"{max_num_seqs}")
+
+
+def confirm_int4(chosen: str | None, reason: str, asked: str | None,
+                 tensors: dict) -> tuple[str | None, str]:
+    """`choose_quantization`'s answer once the checkpoint is read: an automatic int4 stands
+    only if every projection weight is stored in 4 bits (GGUF Q4_0 / Q4_1); rounding float
+    weights to 4 bits is a fidelity change that only an explicit quantization='int4' makes."""
+    if asked != "auto" or chosen != "int4":
+        return chosen, reason
+    from entropic.model.quant import Int4Blocks
+
+    proj = [t for n, t in tensors.items() if n.endswith("_proj.weight")]
+    if not proj or not all(isinstance(t, Int4Blocks) for t in proj):
+        return None, ("none: the checkpoint's projections are not all stored in 4 bits, and "
+                      "quantization='auto' does not round weights")
+    return chosen, reason
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16."""
     return str(dtype).removeprefix("torch.")

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from entropic.config import EngineConfig, choose_dtype
+from entropic.config import EngineConfig, choose_dtype, choose_quantization, confirm_int4
 from entropic.control.clock import EntropicClock
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
@@ -39,9 +39,13 @@ class LLM:
     `model` is a local GGUF file, a Hugging Face directory (config.json + safetensors), or
     None for the embedded SmolLM2-135M-Instruct. `dtype="auto"` (the default) picks the fastest
     format for this CPU (bf16 where it has bf16 arithmetic, fp32 where bf16 would be
-    emulated; `llm.dtype_reason` says which and why); "bfloat16" or "float32" force one; `quantization="int4"` (a GGUF's Q4 weights as they are, others
-    rounded to 4-bit groups) or "int8" runs the projections on weight-only quantized kernels
-    (bf16 activations, CPU). `kernels` "native" (the default on the CPU) runs the small
+    emulated; `llm.dtype_reason` says which and why); "bfloat16" or "float32" force one;
+    `quantization="int4"` (a GGUF's Q4 weights as they are, others rounded to 4-bit groups)
+    or "int8" runs the projections on weight-only quantized kernels (bf16 activations, CPU);
+    "auto" (the default) picks int4 only for a checkpoint stored in 4 bits, on a CPU where
+    int4 was measured faster than floats at every batch up to `max_num_seqs` (in practice a
+    one-request engine such as `entropic generate`), else None, the float path
+    (`llm.quantization_reason` says which and why). `kernels` "native" (the default on the CPU) runs the small
     per-layer ops and decode attention on entropic's C++ kernels, compiled on first use
     (`entropic.kernels`); "torch" runs plain torch ops. KV capacity is `num_kv_blocks` blocks or `kv_cache_gib` GiB.
     `scheduling` is "fcfs" (default) or "entropic" (priority by expected entropy reduction
@@ -64,7 +68,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str | torch.dtype = "auto", *,
-                 quantization: str | None = None, kernels: str | None = None,
+                 quantization: str | None = "auto", kernels: str | None = None,
                  device: str = "cpu", block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                  kv_cache_gib: float = 1.0, max_model_len: int | None = None,
@@ -82,6 +86,9 @@ class LLM:
                               num_kv_blocks=num_kv_blocks, kv_cache_gib=kv_cache_gib,
                               max_model_len=max_model_len,
                               enable_prefix_caching=enable_prefix_caching)
+        asked_quantization = quantization
+        quantization, self.quantization_reason = choose_quantization(
+            quantization, dtype=dtype, device=device, kernels=kernels, max_num_seqs=max_num_seqs)
         torch_dtype, self.dtype_reason = choose_dtype(dtype, device, quantization)
         check_quantization(quantization, torch_dtype, device)
         if kernels is not None:
@@ -108,6 +115,11 @@ class LLM:
             torch.manual_seed(seed)
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model, progress=progress, keep_int4=quantization == "int4")
+        quantization, self.quantization_reason = confirm_int4(
+            quantization, self.quantization_reason, asked_quantization, ckpt.tensors)
+        if quantization is None and asked_quantization == "auto":
+            torch_dtype, self.dtype_reason = choose_dtype(dtype, device, None)
+        self.quantization = quantization
         net = LlamaModel(ckpt.config, ckpt.tensors, torch_dtype, device,
                          quantization=quantization, kernels=kernels)
         del ckpt.tensors
@@ -137,7 +149,10 @@ class LLM:
                                 self.clock, self.pruner,
                                 self.speculator)
         self.engine.stats.dtype_reason = self.dtype_reason
+        self.engine.stats.quantization = quantization
+        self.engine.stats.quantization_reason = self.quantization_reason
         log.info("dtype %s", self.dtype_reason)
+        log.info("quantization %s", self.quantization_reason)
         self.load_seconds = time.perf_counter() - t0
         self._ids = itertools.count()
 

@@ -133,8 +133,10 @@ def build_llm(cfg: AblationConfig, opts: AblationOptions, probe: TemperedEntropy
     from entropic.control.pruning import PruningConfig
     from entropic.speculative import SpeculativeConfig
 
-    return LLM(model=opts.model, dtype=opts.dtype, max_num_seqs=opts.max_num_seqs,
-               num_kv_blocks=opts.num_kv_blocks,
+    # quantization=None: float weights in every regime and on every CPU (quantization="auto"
+    # could pick int4 for a small max_num_seqs), as in every run recorded so far
+    return LLM(model=opts.model, dtype=opts.dtype, quantization=None,
+               max_num_seqs=opts.max_num_seqs, num_kv_blocks=opts.num_kv_blocks,
                max_num_batched_tokens=opts.max_num_batched_tokens, processors=[probe],
                scheduling="entropic" if cfg.sched else "fcfs",
                pruning=PruningConfig() if cfg.prune else None,

@@ -89,10 +89,13 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     # how the model was loaded: its dtype, the native kernels' ISA level (None on torch's
-    # ops), both from the model; why that dtype, set by the LLM that chose it
+    # ops), both from the model; why that dtype, set by the LLM that chose it; the
+    # weight quantization (None: floats) and why, likewise
     dtype: str = ""
     dtype_reason: str = ""
     isa: str | None = None
+    quantization: str | None = None
+    quantization_reason: str = ""
 
     @property
     def pruned_fraction(self) -> float:

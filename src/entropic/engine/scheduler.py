@@ -391,14 +391,21 @@ class Scheduler:
         fits beside one block of growth per running request: readmitted chunk by chunk as
         soon as a few blocks free up, it was preempted again as soon as the running ones
         grew, over and over (14 preemptions for 4 long documents), each time recomputing
-        what it had prefilled. The policy may still let it displace a running request
-        (an aged one must get in: the aging bound holds)."""
+        what it had prefilled.
+
+        Displacement only ever pauses: a running request gives up its slot to a
+        higher-ranked (or aged) waiting one only while the newcomer's blocks fit beside its
+        KV. Where memory is short, a displacement would drop the victim's KV and compute
+        it again (time-slicing by recompute): in regime (b) of the ablation (8 long
+        documents, a pool for 2-3) aged documents displaced running ones every ~64 steps,
+        30 recomputes and 2.9x the baseline's linear work (docs/scheduling.md). There the
+        waiting request waits at the head of the order instead (nobody overtakes it) until
+        running requests finish; memory pressure itself still preempts (`_grow`)."""
         rid = req.request_id
         need = req.num_computed_tokens + len(hit) * self.kv.block_size + n
         if (self.running and req.num_computed_tokens == 0 and req.metrics.num_preemptions
                 and self.kv.blocks_needed(req.num_tokens) - len(hit) + len(self.running)
-                > self.kv.pool.num_free
-                and not any(self.policy.displace(req, v, self.step_count) for v in later)):
+                > self.kv.pool.num_free):
             return False
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(rid, need, hit):
             fits = self.kv.can_fit(rid, need, hit)
@@ -406,14 +413,14 @@ class Scheduler:
                     and (self._evict(max(1, self.kv.shortfall(rid, need, hit)))
                          or self._reclaim_paused(req))):
                 continue
-            if not later:
+            if not later or not fits:
                 return False
             victim = self.policy.choose_victim(later, self.step_count)
             if not self.policy.displace(req, victim, self.step_count):
                 return False
             self.num_displacements += 1
-            # only a slot is needed when the blocks fit: the victim pauses, KV resident
-            self._preempt(victim, out, keep_kv=fits)
+            # only a slot is needed (the blocks fit): the victim pauses, KV resident
+            self._preempt(victim, out, keep_kv=True)
             preempted.add(victim.request_id)
             later.remove(victim)
         if not self.kv.allocate(rid, need, hit):

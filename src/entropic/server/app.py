@@ -146,7 +146,9 @@ def build_app(llm, options: ServerOptions = ServerOptions(),
                 "requests_in_flight": engine.num_in_flight, "requests_running": snap.running,
                 "requests_waiting": snap.waiting, "kv_blocks_used": snap.kv_blocks_used,
                 "kv_blocks_total": snap.kv_blocks_total, "kv_cache_usage": snap.kv_usage,
-                "dtype": stats.dtype, "dtype_reason": stats.dtype_reason, "isa": stats.isa}
+                "dtype": stats.dtype, "dtype_reason": stats.dtype_reason, "isa": stats.isa,
+                "quantization": stats.quantization,
+                "quantization_reason": stats.quantization_reason}
         return JSONResponse(body, status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
