@@ -57,7 +57,7 @@ def test_quantization_auto_picks_int4_only_where_it_was_measured_to_pay():
     from entropic.config import INT4_AUTO_MAX_SEQS, choose_quantization
 
     level, limit = next(iter(INT4_AUTO_MAX_SEQS.items()))
-    kw = dict(dtype="auto", device="cpu", kernels=None, level=level)
+    kw = {"dtype": "auto", "device": "cpu", "kernels": None, "level": level}
     chosen, reason = choose_quantization("auto", max_num_seqs=limit, **kw)
     assert chosen == "int4" and level in reason
     chosen, reason = choose_quantization("auto", max_num_seqs=limit + 1, **kw)

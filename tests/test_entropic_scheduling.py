@@ -251,8 +251,8 @@ def test_where_memory_is_short_nobody_is_displaced_by_recompute():
     recompute it: it waits at the head of the order instead, and enters when one finishes.
     Every position is computed once, as under FCFS (a displacement by recompute computed the
     victim's context again: 2.9x the work in the ablation's regime (b))."""
-    sched, pool, runner, clock, policy = setup(12, max_num_seqs=2, budget=64, max_wait=2,
-                                               min_residency=0)
+    sched, pool, runner, clock, _ = setup(12, max_num_seqs=2, budget=64, max_wait=2,
+                                          min_residency=0)
     arrivals = {0: req("a", 16, 8), 1: req("b", 16, 8), 2: req("c", 16, 8)}
     computed, outputs = _run_all(sched, runner, clock, arrivals)
     assert sched.num_displacements == 0 and sched.num_recomputes == 0

@@ -122,6 +122,9 @@ def test_models_and_health(server, client, model_name):
     # how the model was loaded (the server was started with --dtype float32)
     assert h["dtype"] == "float32" and h["dtype_reason"] == "float32: as asked"
     assert h["isa"] in (*kernels.ISA_LEVELS, None)
+    # quantization="auto" (the default) keeps floats when float32 is asked: int4 would
+    # need bf16 activations
+    assert h["quantization"] is None and "float32" in h["quantization_reason"]
 
 
 def test_chat_streaming_matches_non_streaming(client, model_name):

@@ -9,11 +9,20 @@ from typing import Iterator, Sequence
 
 import torch
 
-from entropic.config import EngineConfig, choose_dtype, choose_quantization, confirm_int4
+from entropic.config import (
+    EngineConfig,
+    choose_dtype,
+    choose_quantization,
+    confirm_int4,
+)
 from entropic.control.clock import EntropicClock
+from entropic.control.estimators import (
+    EntropyEstimate,
+    choose_estimator,
+    make_estimator,
+)
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
-from entropic.control.estimators import EntropyEstimate, choose_estimator, make_estimator
 from entropic.control.thermostat import Thermostat
 from entropic.engine.engine import LLMEngine
 from entropic.engine.policy import SchedulingPolicy
