@@ -385,7 +385,53 @@ def child_main(a) -> None:
             samples.setdefault("prefill_s", []).append(peer.prefill(work["prefill"]))
         res["samples"] = samples
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    llm = getattr(peer, "llm", None)
+    cost = getattr(getattr(llm, "engine", None), "cost_model", None)
+    if cost is not None:  # entropic: what one step streams and computes, for the limits
+        res["weight_bytes"] = cost.weight_bytes
+        res["flops_per_token"] = cost.linear_per_token + cost.lm_head_per_row
     Path(a.out).write_text(json.dumps(res))
+
+
+def machine_limits(threads: int) -> dict:
+    """This machine's read bandwidth (a sum over 1 GiB of fp32, best of 5) and matmul peak
+    (2048^3 products in the dtype entropic picks here, best of 5), at `threads` threads:
+    the ceilings that batch-1 decode (bandwidth) and 64-row decode (arithmetic) approach."""
+    import torch
+
+    from entropic.config import choose_dtype
+
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28)
+    x.sum()
+    read = min(_timed(x.sum) for _ in range(5))
+    dtype, _ = choose_dtype("auto", "cpu", None)
+    m = torch.randn(2048, 2048).to(dtype)
+    torch.mm(m, m)
+    mm = min(_timed(lambda: torch.mm(m, m)) for _ in range(5))
+    return {"read_gb_s": x.numel() * 4 / read / 1e9, "peak_gflop_s": 2 * 2048 ** 3 / mm / 1e9,
+            "peak_dtype": str(dtype).removeprefix("torch."), "threads": threads}
+
+
+def _timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def achieved(res: dict, summary: dict, limits: dict, batch: int) -> dict | None:
+    """An entropic peer's batch-1 decode in GB/s of weights streamed and its `batch`-row
+    decode in GFLOP/s of projections, against the machine's limits (None for other peers)."""
+    if "weight_bytes" not in res:
+        return None
+    gb_s = res["weight_bytes"] * summary["decode_tok_s"] / 1e9
+    out = {"decode_weight_gb_s": gb_s, "decode_share_of_read_bw": gb_s / limits["read_gb_s"]}
+    tok_s = summary.get(f"total_tok_s_{batch}")
+    if tok_s is not None:
+        gflop_s = res["flops_per_token"] * tok_s / 1e9
+        out.update({f"gflop_s_{batch}": gflop_s,
+                    f"share_of_peak_{batch}": gflop_s / limits["peak_gflop_s"]})
+    return out
 
 
 # ---------------------------------------------------------------- parent side
@@ -565,7 +611,9 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
     from entropic.bench import machine
 
     summary = {p: summarize(r) for p, r in results.items()}
+    limits = {p: achieved(r, summary[p], a.limits, max(a.batch_sizes)) for p, r in results.items()}
     meta = {
+        "limits": a.limits,
         "model": a.model, "threads": a.threads, "repeats": a.repeats, "new_tokens": a.new_tokens,
         "batch_sizes": a.batch_sizes, "decode_prompt_tokens": len(work["decode"]),
         "batch_prompt_tokens": [len(p) for p in work["prompts"]],
@@ -593,6 +641,7 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
                                          for k, _, b in figure_names(a) if k in fig}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"meta": meta, "median": summary, "ratio_ours_vs_peer": ratios,
+                                 "achieved": {p: v for p, v in limits.items() if v is not None},
                                  "skipped": skipped, "failed": failed, "raw": results},
                                 indent=2))
     return summary, ratios, meta
@@ -632,6 +681,7 @@ def main(argv=None) -> None:
         child_main(a)
         return
     load0 = os.getloadavg()
+    a.limits = machine_limits(a.threads)
     work = build_workload(a.model, a)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(work, f)
@@ -664,6 +714,16 @@ def main(argv=None) -> None:
         print()
         print(markdown(summary, a, meta))
         print("\nratios: speed ours/peer (> 1: ours faster); RSS ours/peer (< 1: ours smaller)")
+        lim, big = meta["limits"], max(a.batch_sizes)
+        print(f"\nlimits: read {lim['read_gb_s']:.1f} GB/s, {lim['peak_dtype']} matmul peak "
+              f"{lim['peak_gflop_s']:.0f} GFLOP/s ({lim['threads']} threads)")
+        for p, v in json.loads(a.out.read_text())["achieved"].items():
+            line = (f"  {p}: batch-1 decode streams {v['decode_weight_gb_s']:.1f} GB/s of "
+                    f"weights ({v['decode_share_of_read_bw']:.0%} of read bandwidth)")
+            if f"gflop_s_{big}" in v:
+                line += (f"; {big} concurrent: {v[f'gflop_s_{big}']:.0f} GFLOP/s of "
+                         f"projections ({v[f'share_of_peak_{big}']:.0%} of peak)")
+            print(line)
     print(f"\nwrote {a.out}")
 
 
