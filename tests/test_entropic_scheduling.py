@@ -109,13 +109,16 @@ workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integer
 def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait,
                                            residency):
     """Random arrivals: every unfinished request is served at least every
-    max_wait + Q * max(min_residency, P) steps (Q = unfinished requests, P = longest prefill in steps), blocks never leak, and since the fake model is greedy,
-    every request gets the same tokens as under FCFS."""
+    max_wait + Q * max(min_residency, P + M) steps (Q = unfinished requests, P = longest
+    prefill in steps, M = most output tokens: where memory is short an aged request waits
+    for running ones to finish instead of displacing them by recompute), blocks never leak,
+    and since the fake model is greedy, every request gets the same tokens as under FCFS."""
     sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait,
                                                residency)
     fifo, fpool, frunner = make_scheduler(num_blocks, max_num_seqs=max_seqs, budget=budget)
     fits = [(t, p, m) for t, p, m in reqs if -(-(p + m) // 4) <= num_blocks]
     prefill_steps = -(-max((p + m for _, p, m in fits), default=1) // budget)
+    max_out = max((m for _, _, m in fits), default=0)
     finished, reference = {}, {}
     for s, (sch, run) in enumerate([(sched, runner), (fifo, frunner)]):
         pending = sorted(enumerate(fits), key=lambda x: x[1][0])
@@ -133,7 +136,7 @@ def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, m
             if s == 0:
                 _, touched = step(sch, run, clock)
                 for r in sch.requests.values():
-                    bound = max_wait + q_max * max(residency, prefill_steps)
+                    bound = max_wait + q_max * max(residency, prefill_steps + max_out)
                     assert sch.step_count - r.last_served_step <= bound
             else:
                 out = sch.schedule()
