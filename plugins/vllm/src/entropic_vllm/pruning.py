@@ -36,7 +36,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.engine.cost import CostModel
 from entropic.sampling.sampler import entropy_from_logits
-from entropic_vllm.rows import apply_moves, drop_removed
+from entropic_vllm.rows import update_rows
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -183,17 +183,7 @@ class PruningLogitsProcessor(LogitsProcessor):
         return False  # run in greedy batches too (it never changes the logits)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        drop_removed(self._rows, batch_update)
-        for i, params, _prompt, outputs in batch_update.added:
-            st = self._state_of(params)
-            if st is None:
-                self._rows.pop(i, None)
-                continue
-            st.outputs = outputs
-            self._rows[i] = st
-        apply_moves(self._rows, batch_update)
+        update_rows(self._rows, batch_update, self._state_of)
 
     def _state_of(self, params: "SamplingParams") -> RequestPruning | None:
         key = id(params)

@@ -34,7 +34,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from entropic.control.thermostat import next_temperature
 from entropic.sampling.sampler import entropy_from_logits
 from entropic_vllm.params import RequestThermostat, parse_thermostat, trace_key
-from entropic_vllm.rows import apply_moves, drop_removed
+from entropic_vllm.rows import update_rows
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -101,17 +101,7 @@ class ThermostatLogitsProcessor(LogitsProcessor):
         return True
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        drop_removed(self._rows, batch_update)
-        for i, params, _prompt, outputs in batch_update.added:
-            st = self._state_of(params)
-            if st is None:
-                self._rows.pop(i, None)
-                continue
-            st.outputs = outputs
-            self._rows[i] = st
-        apply_moves(self._rows, batch_update)
+        update_rows(self._rows, batch_update, self._state_of)
 
     def _state_of(self, params: "SamplingParams") -> _RequestState | None:
         key = id(params)
