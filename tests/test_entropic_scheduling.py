@@ -195,16 +195,17 @@ def test_displacement_pauses_with_kv_resident_when_memory_allows():
 
 def test_memory_pressure_takes_back_paused_kv_before_preempting_the_running():
     """10 blocks of 4 tokens, one slot. "big" arrives, ages, and displaces "long" once its
-    residency is over: "long" pauses holding 5 blocks. When "big" outgrows the 5 free blocks,
-    the paused KV is dropped ("long" recomputes later) and "big" is never preempted."""
+    residency is over: its prompt (3 blocks) fits beside the 5 that "long" holds, so "long"
+    pauses with its KV. When "big"'s output outgrows the free blocks, the paused KV is
+    dropped ("long" recomputes later) and "big" is never preempted."""
     sched, pool, runner, clock, _ = setup(10, max_num_seqs=1, budget=64, max_wait=2,
                                           min_residency=12)
-    arrivals = {0: req("long", 8, 24), 3: req("big", 20, 8)}
+    arrivals = {0: req("long", 8, 24), 3: req("big", 12, 16)}
     computed, outputs = _run_all(sched, runner, clock, arrivals)
     assert sched.num_pauses == 1 and sched.num_recomputes == 1
     assert sched.num_preemptions == 1  # the pause: nothing running lost its KV
     assert arrivals[3].metrics.num_preemptions == 0
-    assert computed["big"] == 20 + 8 - 1 and computed["long"] > 8 + 24 - 1
+    assert computed["big"] == 12 + 16 - 1 and computed["long"] > 8 + 24 - 1
     assert outputs == _fcfs_tokens(arrivals)
     assert pool.num_free == 10
 
@@ -212,7 +213,7 @@ def test_memory_pressure_takes_back_paused_kv_before_preempting_the_running():
 def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
     """The scenario above with the pruner allowed to evict (global coordination): when
     "big" outgrows the free blocks, the paused "long" gives up its lowest-I_b blocks
-    instead of its whole KV: nothing is recomputed, nothing running is preempted."""
+    instead of its whole KV: nothing is recomputed."""
     clock = EntropicClock()
     policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=2, min_residency=12))
     policy.bind(CostModel(CFG, 2), 10, 4, 1, 64)
@@ -222,7 +223,7 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
                                                refresh_interval=1), 4)
     sched = Scheduler(KVCacheManager(pool, 4), 1, 64, 10_000, (), policy, pruner)
     runner = PrunedFakeRunner(4)
-    arrivals = {0: req("long", 8, 24), 3: req("big", 20, 8)}
+    arrivals = {0: req("long", 8, 24), 3: req("big", 12, 16)}
     finished = set()
     for t in range(300):
         if t in arrivals:
@@ -242,9 +243,11 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
             if r is not None and c.request_id in mass:
                 pruner.observe(r, [], [], *mass[c.request_id])
     assert finished == {"long", "big"}
-    assert sched.num_pauses == 1 and sched.num_recomputes == 0
+    # every preemption is a pause (shrunk, "long" later fits beside "big" and, aged,
+    # displaces it in turn, again by a pause): nothing is recomputed
+    assert sched.num_pauses >= 1 and sched.num_preemptions == sched.num_pauses
+    assert sched.num_recomputes == 0
     assert sched.num_evicted_blocks >= 1
-    assert arrivals[3].metrics.num_preemptions == 0
     assert pool.num_free == 10
 
 

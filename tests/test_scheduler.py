@@ -52,13 +52,15 @@ def test_max_num_seqs_bounds_running():
 
 
 def test_fcfs_preempts_newest_and_requeues_it_first():
-    # 4 blocks of 4 tokens: two requests of 8 tokens fill the cache
+    # 4 blocks of 4 tokens: "old" (2 blocks) and "new" (1) leave one free, the block of
+    # growth admission keeps for "old"; both need one more at their first decode
     sched, pool, runner = make_scheduler(num_blocks=4, budget=100)
     sched.add(req("old", 8, 4))
-    sched.add(req("new", 8, 4))
+    sched.add(req("new", 4, 4))
     out = sched.schedule()
+    assert [c.request_id for c in out.chunks] == ["old", "new"]
     sched.update(out, runner.execute(out), 0.0)
-    out = sched.schedule()  # both need a third block: "new" is preempted
+    out = sched.schedule()  # one block for two: "new" is preempted
     assert out.preempted_ids == ["new"]
     assert [c.request_id for c in out.chunks] == ["old"]
     assert sched.requests["new"].status is RequestStatus.WAITING
@@ -159,3 +161,23 @@ def test_a_recomputed_request_waits_until_its_whole_context_fits():
     assert sched.num_preemptions == 1
     assert computed <= 4 * (40 + 32 - 1) + (40 + 32 - 1)  # at most one context recomputed
     assert pool.num_free == 68
+
+
+def test_a_prompt_is_admitted_only_when_it_fits_whole_beside_the_running_ones():
+    """Chunked prefill must not overcommit the pool: 3 requests of 16 prompt tokens and 8
+    outputs (6 blocks each at the end) in 13 blocks, 8 tokens a step. Admitted on its first
+    chunk alone, the third took blocks the first two needed for their prompts, and memory
+    pressure then recomputed someone; now it waits until its whole prompt fits beside
+    what the running ones still owe, and every position is computed once."""
+    sched, pool, runner = make_scheduler(num_blocks=13, budget=8)
+    for name in "abc":
+        sched.add(req(name, 16, 8))
+    computed = {}
+    while sched.num_unfinished:
+        out = sched.schedule()
+        for c in out.chunks:
+            computed[c.request_id] = computed.get(c.request_id, 0) + c.num_tokens
+        sched.update(out, runner.execute(out), 0.0)
+    assert sched.num_preemptions == 0
+    assert computed == {name: 16 + 8 - 1 for name in "abc"}
+    assert pool.num_free == 13

@@ -387,11 +387,15 @@ class Scheduler:
         allows; `hit`: the cached blocks it starts on, `surprisal`: what the cache knows
         of its positions' surprisal (from position 0).
 
-        A request that lost its KV to a preemption comes back only once its whole context
-        fits beside one block of growth per running request: readmitted chunk by chunk as
-        soon as a few blocks free up, it was preempted again as soon as the running ones
-        grew, over and over (14 preemptions for 4 long documents), each time recomputing
-        what it had prefilled.
+        No overcommitted prompts: while requests run, a waiting request is admitted only if
+        its whole context fits in the pool beside what the running ones still owe (the
+        blocks their own contexts still need, plus one block of growth each), not just its
+        first chunk. Admitted on its first chunk, a long prompt took blocks that the
+        running requests needed a few steps later, and memory pressure then recomputed
+        someone: in the ablation's regime (b) (8 documents of 4k-8k tokens, a pool for 2-3)
+        FCFS recomputed 3-4 documents and the entropic order, which admits by priority
+        ahead of running requests, 11-12 (+65 % linear work). Only output growth, which
+        nobody knows in advance, can still run the pool out (docs/scheduling.md).
 
         Displacement only ever pauses: a running request gives up its slot to a
         higher-ranked (or aged) waiting one only while the newcomer's blocks fit beside its
@@ -403,9 +407,8 @@ class Scheduler:
         running requests finish; memory pressure itself still preempts (`_grow`)."""
         rid = req.request_id
         need = req.num_computed_tokens + len(hit) * self.kv.block_size + n
-        if (self.running and req.num_computed_tokens == 0 and req.metrics.num_preemptions
-                and self.kv.blocks_needed(req.num_tokens) - len(hit) + len(self.running)
-                > self.kv.pool.num_free):
+        if self.running and (self.kv.shortfall(rid, req.num_tokens, hit)
+                             + sum(map(self._owed_blocks, self.running)) > 0):
             return False
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(rid, need, hit):
             fits = self.kv.can_fit(rid, need, hit)
@@ -438,6 +441,11 @@ class Scheduler:
         req.outputs_at_admission = req.num_output_tokens
         req.admitted_step = self.step_count
         return True
+
+    def _owed_blocks(self, req: Request) -> int:
+        """Blocks a running request still needs for its whole context and one token more."""
+        return max(0, self.kv.blocks_needed(req.num_tokens + 1)
+                   - len(self.kv.block_table(req.request_id)))
 
     def _evict(self, need: int) -> bool:
         """Evict up to `need` blocks the block policy offers; True if any were freed.
