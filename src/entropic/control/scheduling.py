@@ -36,8 +36,9 @@ first token). So each aged request ahead of a request costs it at most max(R, P)
 and the aged set ahead of it only shrinks: no request waits more than
 max_wait + Q * max(R, P) steps, Q the number of unfinished requests. With several slots
 most of that never binds (victims are usually displaceable already); the worst case is one
-slot. Displacement only pauses (the victim keeps its KV): where the newcomer's blocks do not
-fit beside the victim's, the aged request waits at the head of the order instead, for a
+slot. Displacement only pauses (the victim keeps its KV), and no request is admitted before
+its whole context fits beside what the running ones still owe (engine/scheduler.py): where
+memory is short, the aged request waits at the head of the order instead, for a
 running request to finish (at most P + M steps, M the most output tokens of a request) or
 to be preempted by memory pressure, so there the bound is max_wait + Q * max(R, P + M).
 Displacing by recompute kept the tighter bound but turned memory pressure into
