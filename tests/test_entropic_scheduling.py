@@ -86,6 +86,21 @@ def test_aged_request_first_and_never_victim():
     assert policy.displace(a, b, step=10) and not policy.displace(b, a, step=10)
 
 
+def test_memory_pressure_drops_the_last_admitted_not_the_lowest_priority():
+    """A pause keeps the KV, so priority picks its victim; a recompute throws work away,
+    so memory pressure drops the request admitted last (aged ones last of all)."""
+    sched, pool, runner, clock, policy = setup(64, max_wait=5)
+    deep, fresh = req("deep", 200, 50), req("fresh", 4, 50)
+    deep.num_computed_tokens, deep.admitted_step = 200, 1
+    fresh.admitted_step = 3
+    for r in (deep, fresh):
+        r.last_served_step = 4
+    assert policy.choose_victim([deep, fresh], step=4) is deep  # lower priority
+    assert policy.choose_recompute_victim([deep, fresh], step=4) is fresh
+    fresh.last_served_step = 0  # aged: protected while a non-aged candidate exists
+    assert policy.choose_recompute_victim([deep, fresh], step=6) is deep
+
+
 def test_low_priority_request_is_not_starved():
     # max_num_seqs=1: a stream of cheap requests would overtake the costly one forever
     sched, pool, runner, clock, policy = setup(200, max_num_seqs=1, budget=64, max_wait=6)

@@ -158,6 +158,20 @@ class EntropicPolicy:
             return min(fresh, key=lambda r: (self.priority(r), -r.seq_no))
         return min(candidates, key=lambda r: (self.age(r, step), -r.seq_no))
 
+    def choose_recompute_victim(self, candidates: Sequence[Request], step: int) -> Request:
+        """Whose KV memory pressure drops (it is computed again on readmission): the
+        request admitted last, aged requests last. Priority picks a victim that keeps its
+        KV (a pause); for a recompute it picked long documents deep into their decode (high
+        cost and memory terms), the costliest work to redo. The last admitted has had the
+        least time to compute anything, and picking it again and again does not rotate the
+        loss over everyone (fewest computed tokens did: each readmitted request became the
+        next victim). On `python benchmarks/scheduling_work.py`-style replicas it threw
+        away the least work of priority, fewest computed tokens and newest arrival."""
+        fresh = [r for r in candidates if not self.aged(r, step)]
+        if fresh:
+            return max(fresh, key=lambda r: (r.admitted_step, r.seq_no))
+        return self.choose_victim(candidates, step)
+
     def displace(self, waiting: Request, victim: Request, step: int) -> bool:
         if victim.num_output_tokens == victim.outputs_at_admission:
             return False  # no token since admission: displacing it could livelock
