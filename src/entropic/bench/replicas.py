@@ -213,6 +213,9 @@ class GlobalQueuePolicy:
     def choose_victim(self, candidates, step):
         return self.inner.choose_victim(candidates, step)
 
+    def choose_recompute_victim(self, candidates, step):
+        return self.inner.choose_recompute_victim(candidates, step)
+
     def displace(self, waiting, victim, step) -> bool:
         if waiting.request_id in self.held_back:
             return False

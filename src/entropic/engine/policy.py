@@ -1,9 +1,10 @@
 """Scheduling policies: the swappable ordering and preemption-victim choice.
 
-The scheduler core asks a policy three questions each step: in which order to serve all
+The scheduler core asks a policy four questions each step: in which order to serve all
 unfinished requests (admission of waiting ones, and which running ones get tokens when the
-budget binds), whom to preempt when KV blocks run out, and whether a waiting request may
-displace a running one when slots or blocks are full. With the default (`FCFSPolicy`) the
+budget binds), whom to pause (a displacement's victim), whose KV to drop when KV blocks run
+out (it is recomputed later), and whether a waiting request may displace a running one
+when slots or blocks are full. With the default (`FCFSPolicy`) the
 engine is a plain first-come-first-served engine. A policy that prices requests may also
 define `bind(cost_model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)`:
 the engine calls it once with its own cost model and KV geometry.
@@ -24,7 +25,11 @@ class SchedulingPolicy(Protocol):
         ...
 
     def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
-        """The running request to preempt (blocks ran out, or a displacement)."""
+        """The running request a displacement pauses (its KV stays resident)."""
+        ...
+
+    def choose_recompute_victim(self, candidates: Sequence[Request], step: int) -> Request:
+        """The request whose KV memory pressure drops (computed again on readmission)."""
         ...
 
     def displace(self, waiting: Request, victim: Request, step: int) -> bool:
@@ -46,6 +51,8 @@ class FCFSPolicy:
 
     def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
         return max(candidates, key=self._key)
+
+    choose_recompute_victim = choose_victim
 
     def displace(self, waiting: Request, victim: Request, step: int) -> bool:
         return False

@@ -353,7 +353,7 @@ class Scheduler:
             if (self._evict(max(1, self.kv.shortfall(req.request_id, need)))
                     or self._reclaim_paused(req)):
                 continue
-            victim = self._recompute_victim(later + [req])
+            victim = self.policy.choose_recompute_victim(later + [req], self.step_count)
             self._preempt(victim, out)
             preempted.add(victim.request_id)
             if victim is req:
@@ -500,14 +500,8 @@ class Scheduler:
                   if r is not needy and self.kv.num_blocks_held(r.request_id)]
         if not paused:
             return False
-        self._drop_kv(self._recompute_victim(paused))
+        self._drop_kv(self.policy.choose_recompute_victim(paused, self.step_count))
         return True
-
-    def _recompute_victim(self, candidates: list[Request]) -> Request:
-        """The request whose KV memory pressure drops: the policy's
-        `choose_recompute_victim` if it has one, else its usual victim."""
-        choose = getattr(self.policy, "choose_recompute_victim", self.policy.choose_victim)
-        return choose(candidates, self.step_count)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken],
                now: float, prompt_scores: dict[str, PromptScores] | None = None,
