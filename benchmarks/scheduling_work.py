@@ -89,6 +89,15 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    for name in ("requests", "max_tokens", "kv_blocks", "block_size", "max_num_seqs", "budget"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    capacity = args.kv_blocks * args.block_size
+    for c in args.contexts:
+        if c < 1 or c + args.max_tokens > capacity:
+            ap.error(f"--contexts: {c} tokens plus --max-tokens {args.max_tokens} must fit "
+                     f"the pool of {capacity} tokens (--kv-blocks x --block-size); the "
+                     f"engine would reject such a request, the scheduler alone never admits it")
     machine = describe(args.threads)
     gaps = [3] if args.quick else [1, 3, 8]
     rows = [run(p, args.contexts, args.requests, g, args.max_tokens, args.kv_blocks,
