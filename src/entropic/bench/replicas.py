@@ -254,18 +254,19 @@ class SimResult:
     busy_seconds: float = 0.0
     displacements: int = 0
     computed_tokens: int = 0  # every chunk's tokens (a recompute would count twice)
-    wait_bound_steps: int = 0  # W + Q * max(R, P), Q the largest queue a replica ordered
+    wait_bound_steps: int = 0  # W + Q * (P + M), Q the largest queue a replica ordered
 
 
 def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
-                 config: EntropicSchedulingConfig, num_requests: int = 0) -> Replica:
+                 config: EntropicSchedulingConfig, num_requests: int = 0,
+                 policy_class: type[EntropicPolicy] = EntropicPolicy) -> Replica:
     """The policy prices memory against a nominal cache of max_num_seqs requests of the
     longest length (M_s's fair share is one such request); the pool itself also holds
     every paused request's KV (`num_requests` more), so memory never binds."""
     per_request = -(-max(r.prompt_len + r.output_len for r in trace.requests)
                     // trace.block_size)
     nominal = trace.max_num_seqs * per_request
-    policy = FCFSPolicy() if mode in FIFO_MODES else EntropicPolicy(clock, config)
+    policy = FCFSPolicy() if mode in FIFO_MODES else policy_class(clock, config)
     if mode not in FIFO_MODES:
         policy.bind(trace.cost, nominal, trace.block_size, trace.max_num_seqs,
                     trace.max_num_batched_tokens)
@@ -278,8 +279,10 @@ def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
 
 
 def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, mode: str,
-             config: EntropicSchedulingConfig | None = None) -> SimResult:
-    """Run `requests` (each carries its arrival offset) on `num_replicas` replicas."""
+             config: EntropicSchedulingConfig | None = None,
+             policy_class: type[EntropicPolicy] = EntropicPolicy) -> SimResult:
+    """Run `requests` (each carries its arrival offset) on `num_replicas` replicas;
+    `policy_class`: the entropic policy's class (a variant of it, for comparisons)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if num_replicas < 1:
@@ -287,7 +290,8 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
     config = config or EntropicSchedulingConfig()
     shared = EntropicClock()  # the global queue's scheduler sees every replica's tokens
     replicas = [_new_replica(trace, mode, shared if mode == "global" else EntropicClock(),
-                             config, len(requests)) for _ in range(num_replicas)]
+                             config, len(requests), policy_class)
+                for _ in range(num_replicas)]
     res = SimResult(mode, num_replicas)
     by_id = {r.id: r for r in requests}
     if len(by_id) != len(requests):
@@ -337,7 +341,8 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
         raise RuntimeError("simulation ended with requests in the global queue")
     q = max(rep.max_queue for rep in replicas)
     p = -(-max(r.prompt_len for r in requests) // trace.max_num_batched_tokens)
-    res.wait_bound_steps = config.max_wait + q * max(config.min_residency, p)
+    m = max(r.output_len for r in requests)
+    res.wait_bound_steps = config.max_wait + q * (p + m)
     return res
 
 

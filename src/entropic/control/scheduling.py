@@ -19,33 +19,38 @@ Priority of a request s:   pi(s) = E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s +
   with less attained service is the classic way to lower mean latency without knowing job
   sizes (least-attained-service); aging protects the long ones.
 
-Bounded waiting (aging): a request not served for `max_wait` scheduler steps is *aged*.
-Aged requests come first, oldest wait first; they are never chosen as victims while a
-non-aged candidate exists, and an aged waiting request may displace a running request that
-is not aged (or has waited less), has produced a token since its admission (else two
-requests could displace each other forever without progress) and has run at least
-`min_residency` steps since admission (preemption is by recompute: time-slicing faster
-than that throws away more work than it saves; a first version without it, W = 64, ran a
-saturated ShareGPT load 2.2-2.5x slower than FCFS through churn).
-Bound: the head of the aged set has the whole token budget and can preempt or displace
-every request behind it (no request alone exceeds the cache: the engine rejects those) as
-soon as one of them is displaceable, or a slot frees when one finishes. A running request
-becomes displaceable within max(R, P) steps of its admission (R = min_residency; P = the
-longest prefill in chunks, ceil(context / max_num_batched_tokens), the time to produce its
-first token). So each aged request ahead of a request costs it at most max(R, P) steps,
-and the aged set ahead of it only shrinks: no request waits more than
-max_wait + Q * max(R, P) steps, Q the number of unfinished requests. With several slots
-most of that never binds (victims are usually displaceable already); the worst case is one
-slot. Displacement only pauses (the victim keeps its KV), and no request is admitted before
-its whole context fits beside what the running ones still owe (engine/scheduler.py): where
-memory is short, the aged request waits at the head of the order instead, for a
-running request to finish (at most P + M steps, M the most output tokens of a request) or
-to be preempted by memory pressure, so there the bound is max_wait + Q * max(R, P + M).
-Displacing by recompute kept the tighter bound but turned memory pressure into
-time-slicing by recompute (docs/scheduling.md: 2.9x the linear work in the ablation's
-regime (b)).
-tests/test_entropic_scheduling.py checks this bound on random
-workloads.
+Displacement: a waiting request that is not aged may take the slot of a running request
+whose priority is `displace_margin` times lower, that is not aged, has produced a token since
+its admission (else two requests could displace each other forever without progress) and
+has run at least `min_residency` steps since admission (R: no time-slicing faster than
+that; a first version without it, W = 64, ran a saturated ShareGPT load 2.2-2.5x slower than
+FCFS through churn). Displacement only pauses: the victim keeps its KV.
+
+Paused requests resume first: a paused request (waiting, its KV still resident) comes right
+after the aged ones, ahead of every other request, longest paused first, so it takes the
+next free slot, and no newcomer is admitted or displaces anyone while it waits. Ranked by
+its own priority instead, a paused request sat behind every newcomer that outranked it until
+it aged and then until a victim had run R steps: in the ablation's regime (a) the ten
+requests paused mid-decode made the whole E2E p99 (10-25 s against at most 18 s for the
+rest; docs/ablation.md).
+
+Bounded waiting (aging): a request not served for `max_wait` (W) scheduler steps is *aged*.
+Aged requests come first, oldest wait first, and are never chosen as victims while a
+non-aged candidate exists. An aged request displaces nobody: it takes the next free slot
+(nobody overtakes it in the order while it waits). Under saturation a displacement creates
+no capacity, it moves the wait onto the victim; with aged requests displacing, regime (a)'s
+tail was made of their victims, and with W = 128 (the first default) of long prompts that
+waited W steps behind cheaper newcomers (docs/ablation.md). Hence W = 32: a priority order
+that can hold a request back by a few seconds at most.
+Bound: the head of the aged set is first in the order, so it gets the next slot that frees
+(a running request finishes at most P + M steps after its admission: P the longest prefill
+in steps, ceil(context / max_num_batched_tokens), M the most output tokens of a request) and
+its blocks as soon as its whole context fits beside what the running ones still owe
+(engine/scheduler.py), which running requests finishing or memory pressure preempting them
+brings about within the same time. Each aged request ahead of a request costs it at most
+P + M steps, and the aged set ahead of it only shrinks: no request waits more than
+max_wait + Q * (P + M) steps, Q the number of unfinished requests.
+tests/test_entropic_scheduling.py checks this bound on random workloads.
 """
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ class EntropicSchedulingConfig:
     alpha: float = 1.0
     beta: float = 1.0
     gamma: float = 1.0
-    max_wait: int = 128
+    max_wait: int = 32
     min_residency: int = 64  # steps a request runs after admission before it can be displaced
     length_scale: float = 256.0
     default_prior: float = 0.5
@@ -147,10 +152,18 @@ class EntropicPolicy:
         aged = sorted((r for r in everyone if self.aged(r, step)),
                       key=lambda r: (-self.age(r, step), r.seq_no))
         rest = [r for r in everyone if not self.aged(r, step)]
+        paused = sorted((r for r in rest if self.paused(r)),
+                        key=lambda r: (r.last_served_step, r.seq_no))
+        rest = [r for r in rest if not self.paused(r)]
         # running before waiting at equal priority keeps the batch stable
         rest.sort(key=lambda r: (-self.priority(r), r.status is not RequestStatus.RUNNING,
                                  r.seq_no))
-        return aged + rest
+        return aged + paused + rest
+
+    @staticmethod
+    def paused(req: Request) -> bool:
+        """Waiting with KV computed: a displacement paused it (its KV stays resident)."""
+        return req.status is RequestStatus.WAITING and req.num_computed_tokens > 0
 
     def choose_victim(self, candidates: Sequence[Request], step: int) -> Request:
         fresh = [r for r in candidates if not self.aged(r, step)]
@@ -173,13 +186,12 @@ class EntropicPolicy:
         return self.choose_victim(candidates, step)
 
     def displace(self, waiting: Request, victim: Request, step: int) -> bool:
+        if self.aged(waiting, step):
+            return False  # it takes the next free slot: a displacement only moves the wait
         if victim.num_output_tokens == victim.outputs_at_admission:
             return False  # no token since admission: displacing it could livelock
         if step - victim.admitted_step < self.config.min_residency:
-            return False  # recompute is expensive: no time-slicing faster than this
-        if self.aged(waiting, step):  # an older wait beats a younger one, aged or not
-            return not self.aged(victim, step) or self.age(waiting, step) > self.age(victim,
-                                                                                     step)
+            return False  # no time-slicing faster than this
         if self.aged(victim, step):
             return False
         return self.priority(waiting) > self.config.displace_margin * self.priority(victim)
