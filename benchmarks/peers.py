@@ -399,6 +399,9 @@ def child_main(a) -> None:
     if cost is not None:  # entropic: what one step streams and computes, for the limits
         res["weight_bytes"] = cost.weight_bytes
         res["flops_per_token"] = cost.linear_per_token + cost.lm_head_per_row
+        stats = llm.engine.stats  # what ran: the kernels' ISA level, dtype, quantization
+        res["engine"] = {"isa": stats.isa, "dtype": stats.dtype,
+                         "quantization": stats.quantization}
     Path(a.out).write_text(json.dumps(res))
 
 

@@ -12,7 +12,8 @@ each output token as the engine sampled them) on the replica simulator of
 under the engine's cost model, defaults chosen so that the mix at 3 requests/s takes
 ~41 s as in the ablation (34-48 s measured). Poisson arrivals, a shuffled order per seed; every
 policy serves the same arrivals. Memory never binds here (regime (a) preempted for memory
-in at most one run in three): this isolates what the order does.
+in at most one run in three): this isolates what the order does; `--blocks 400` gives it
+the ablation's cache, where memory binds.
 
 Policies: FCFS; the current rule at each `--max-waits` W; and, as the control, the rule
 before 2026-12-06 (W = 128, aged requests displaced running ones, a paused request ranked by
@@ -96,18 +97,21 @@ def figures(res: sim.SimResult) -> dict:
             "makespan": max(res.finish.values()), "displacements": res.displacements}
 
 
-def run(trace: sim.Trace, rate: float, seeds: int, max_waits: list[int]) -> dict:
+def run(trace: sim.Trace, rate: float, seeds: int, max_waits: list[int],
+        blocks: int | None) -> dict:
     policies = ["fcfs", "previous rule (W 128)"] + [f"W {w}" for w in max_waits]
     per_seed: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in range(seeds):
         work = arrivals(trace, rate, seed)
-        per_seed["fcfs"].append(figures(sim.simulate(trace, work, 1, "fifo")))
+        per_seed["fcfs"].append(figures(sim.simulate(trace, work, 1, "fifo",
+                                                     num_blocks=blocks)))
         per_seed["previous rule (W 128)"].append(figures(sim.simulate(
             trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=128),
-            policy_class=PreviousRule)))
+            policy_class=PreviousRule, num_blocks=blocks)))
         for w in max_waits:
             per_seed[f"W {w}"].append(figures(sim.simulate(
-                trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=w))))
+                trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=w),
+                num_blocks=blocks)))
     out = {}
     for p, rows in per_seed.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -128,6 +132,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=None, help="default 40 (6 with --quick)")
     ap.add_argument("--max-waits", default="16,32,48,64,96,128",
                     help="the current rule's W values to run")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="KV blocks of 16 tokens (the ablation's regime (a): 400); default: "
+                    "memory never binds")
     ap.add_argument("--step-base", type=float, default=0.03, help="seconds per step")
     ap.add_argument("--step-per-flop", type=float, default=4.7e-12,
                     help="seconds per FLOP of a step's chunks")
@@ -136,20 +143,23 @@ def main(argv=None) -> None:
     seeds = a.seeds or (6 if a.quick else 40)
     max_waits = [int(x) for x in a.max_waits.split(",")]
     if (seeds < 1 or any(r <= 0 for r in rates) or any(w < 1 for w in max_waits)
-            or a.step_base < 0 or a.step_per_flop <= 0):
-        ap.error("--seeds and --max-waits must be >= 1, --rates and --step-per-flop > 0, "
-                 "--step-base >= 0")
+            or a.step_base < 0 or a.step_per_flop <= 0
+            or (a.blocks is not None and a.blocks < 1)):
+        ap.error("--seeds, --max-waits and --blocks must be >= 1, --rates and --step-per-flop "
+                 "> 0, --step-base >= 0")
     trace = load_mix(a.step_base, a.step_per_flop)
     result = {"machine": describe(), "mix": str(MIX.relative_to(ROOT)), "seeds": seeds,
+              "blocks": a.blocks,
               "step": {"base": a.step_base, "per_flop": a.step_per_flop}, "rates": {}}
     print(header(result["machine"]))
-    print(f"{len(trace.requests)} requests, {seeds} seeds, 16 slots, 512 tokens a step; medians "
-          f"over seeds (x FCFS: median of per-seed ratios)\n")
+    mem = f"{a.blocks} KV blocks" if a.blocks else "memory never binds"
+    print(f"{len(trace.requests)} requests, {seeds} seeds, 16 slots, 512 tokens a step, {mem}; "
+          f"medians over seeds (x FCFS: median of per-seed ratios)\n")
     print("| rate/s | policy | E2E mean s | E2E p99 s | TTFT mean s | makespan s | "
           "displacements | E2E mean x FCFS | E2E p99 x FCFS | TTFT mean x FCFS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rate in rates:
-        res = run(trace, rate, seeds, max_waits)
+        res = run(trace, rate, seeds, max_waits, a.blocks)
         result["rates"][str(rate)] = res
         for p, v in res.items():
             m = v["median"]

@@ -136,3 +136,37 @@ def test_global_queue_displaces_only_when_no_replica_has_a_free_slot(monkeypatch
     alone = make_trace(reqs[:2] + reqs[3:], max_num_seqs=2)
     outranks("r2")  # the same request, numbered by its place in the trace
     assert simulate(alone, alone.requests, 1, "global", cfg).displacements > 0
+
+
+def _scheduling_tail():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "scheduling_tail.py"
+    spec = importlib.util.spec_from_file_location("scheduling_tail", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_on_the_regime_a_mix_the_entropic_order_keeps_the_fcfs_tail():
+    """The ablation's regime-(a) mix at 3 requests/s (benchmarks/scheduling_tail.py): with
+    the default W the entropic order's E2E p99 stays within 6 % of FCFS's on the same
+    arrivals (median of 5 seeds; 1.02 here) while its mean TTFT is lower; the rule before
+    2026-12-06 (aged requests displacing, paused requests ranked by priority, W 128) reads
+    1.17 on these seeds and 1.51 over the benchmark's 40."""
+    tail = _scheduling_tail()
+    trace = tail.load_mix(0.03, 4.7e-12)
+    ratios = {"current": [], "previous": []}
+    for seed in range(5):
+        work = tail.arrivals(trace, 3.0, seed)
+        fcfs = tail.figures(simulate(trace, work, 1, "fifo"))
+        cur = tail.figures(simulate(trace, work, 1, "per_replica"))
+        prev = tail.figures(simulate(trace, work, 1, "per_replica",
+                                     EntropicSchedulingConfig(max_wait=128),
+                                     policy_class=tail.PreviousRule))
+        assert cur["ttft_mean"] < fcfs["ttft_mean"]
+        ratios["current"].append(cur["e2e_p99"] / fcfs["e2e_p99"])
+        ratios["previous"].append(prev["e2e_p99"] / fcfs["e2e_p99"])
+    median = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
+    assert median["current"] <= 1.06, ratios
+    assert median["previous"] >= 1.12, ratios  # the comparison can tell the rules apart

@@ -83,7 +83,12 @@ INT4_AUTO_MAX_SEQS = {
     "amx": 2,  # Sapphire Rapids, 2026-12-06: 2.6x bf16 at 1 and 2.4x at 2 requests, 1.1x at
     # 4 (rounds 0.9-1.5x: not clearly faster), 0.74x at 8
     "avx512bf16": 1,  # AMD EPYC, 2026-12-03: 2.6x bf16 at 1 request, 0.6x at 16
-    "avx512": 1,  # Xeon without bf16, 2026-12-03: 4.3x fp32 at 1 request, 0.87x at 16
+    # Xeon without bf16, 2026-12-03: 4.3x fp32 at 1 request, 0.87x at 16; forced on Sapphire
+    # Rapids (--emulate-isa avx512), 2026-12-06: 3.3x at 2, 2.2x at 4, 1.3x at 8, every round
+    "avx512": 8,
+    # forced on Sapphire Rapids (--emulate-isa avx2), 2026-12-06: 4.8x fp32 at 1, 3.2x at 2,
+    # 1.8x at 4, 1.15x at 8 (every round), 0.87x at 16
+    "avx2": 8,
 }
 
 

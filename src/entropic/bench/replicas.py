@@ -259,20 +259,24 @@ class SimResult:
 
 def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
                  config: EntropicSchedulingConfig, num_requests: int = 0,
-                 policy_class: type[EntropicPolicy] = EntropicPolicy) -> Replica:
+                 policy_class: type[EntropicPolicy] = EntropicPolicy,
+                 num_blocks: int | None = None) -> Replica:
     """The policy prices memory against a nominal cache of max_num_seqs requests of the
     longest length (M_s's fair share is one such request); the pool itself also holds
-    every paused request's KV (`num_requests` more), so memory never binds."""
+    every paused request's KV (`num_requests` more), so memory never binds. With
+    `num_blocks`, the pool and the nominal cache are that many blocks: memory binds as in
+    an engine with that cache."""
     per_request = -(-max(r.prompt_len + r.output_len for r in trace.requests)
                     // trace.block_size)
-    nominal = trace.max_num_seqs * per_request
+    nominal = num_blocks or trace.max_num_seqs * per_request
     policy = FCFSPolicy() if mode in FIFO_MODES else policy_class(clock, config)
     if mode not in FIFO_MODES:
         policy.bind(trace.cost, nominal, trace.block_size, trace.max_num_seqs,
                     trace.max_num_batched_tokens)
     if mode == "global":
         policy = GlobalQueuePolicy(policy)
-    kv = KVCacheManager(BlockPool(nominal + num_requests * per_request), trace.block_size)
+    pool = num_blocks or nominal + num_requests * per_request
+    kv = KVCacheManager(BlockPool(pool), trace.block_size)
     sched = Scheduler(kv, trace.max_num_seqs, trace.max_num_batched_tokens,
                       max_model_len=per_request * trace.block_size + 1, policy=policy)
     return Replica(sched, policy, nominal_blocks=nominal)
@@ -280,9 +284,11 @@ def _new_replica(trace: Trace, mode: str, clock: EntropicClock,
 
 def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, mode: str,
              config: EntropicSchedulingConfig | None = None,
-             policy_class: type[EntropicPolicy] = EntropicPolicy) -> SimResult:
+             policy_class: type[EntropicPolicy] = EntropicPolicy,
+             num_blocks: int | None = None) -> SimResult:
     """Run `requests` (each carries its arrival offset) on `num_replicas` replicas;
-    `policy_class`: the entropic policy's class (a variant of it, for comparisons)."""
+    `policy_class`: the entropic policy's class (a variant of it, for comparisons);
+    `num_blocks`: each replica's KV blocks (default: so many that memory never binds)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if num_replicas < 1:
@@ -290,7 +296,7 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
     config = config or EntropicSchedulingConfig()
     shared = EntropicClock()  # the global queue's scheduler sees every replica's tokens
     replicas = [_new_replica(trace, mode, shared if mode == "global" else EntropicClock(),
-                             config, len(requests), policy_class)
+                             config, len(requests), policy_class, num_blocks)
                 for _ in range(num_replicas)]
     res = SimResult(mode, num_replicas)
     by_id = {r.id: r for r in requests}
