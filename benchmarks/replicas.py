@@ -16,7 +16,7 @@ global (one pi queue with aging feeding all replicas), per_replica (vLLM's data-
 routing, a pi queue per replica), fifo (vLLM's routing, FCFS per replica), global_fifo (one
 FCFS queue: the gap that pooling alone makes, without pi). Reported: TTFT
 and E2E mean and p99 (s), tau per second, the longest wait between two services (steps)
-against the aging threshold W and the bound W + Q * max(R, P); and the gap per_replica /
+against the aging threshold W and the bound W + Q * (P + M); and the gap per_replica /
 global.
 """
 from __future__ import annotations

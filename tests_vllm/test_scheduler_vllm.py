@@ -74,17 +74,20 @@ def test_admission_follows_pi_not_arrival(run_scenario):
 
 
 def test_aging_bound_on_replayed_trace(run_scenario):
-    """No request waits longer than entropic's bound W + Q * max(R, P) steps (W = max_wait,
-    R = min_residency, P = the longest prefill in chunks, Q = unfinished requests), counted
-    from the steps at which each request got tokens; and aging is what admitted the long
-    prompt: ranked first when aged, though its pi was the lowest of the waiting ones."""
+    """No request waits longer than entropic's bound W + Q * (P + M) steps (W = max_wait,
+    P = the longest prefill in chunks, M = the most output tokens, Q = unfinished requests),
+    counted from the steps at which each request got tokens; and aging is what admitted the
+    long prompt: ranked first when aged, though its pi was the lowest of the waiting ones,
+    and first in every order from then until it got tokens (an aged request displaces
+    nobody: it takes the next free slot, and nobody overtakes it)."""
     res = run_scenario("scheduler")
     steps = trace_steps(res)
-    w, r = res["max_wait"], res["min_residency"]
+    w = res["max_wait"]
     longest = max(len(t["prompt_token_ids"]) + len(t["token_ids"]) for t in res["trace"])
     p = math.ceil(longest / res["max_num_batched_tokens"])
+    m = max(len(t["token_ids"]) for t in res["trace"])
     q = max(len(e["order"]) for e in steps)
-    bound = w + q * max(r, p)
+    bound = w + q * (p + m)
     last: dict[str, int] = {}
     worst: dict[str, int] = {}
     for e in steps:
@@ -103,4 +106,7 @@ def test_aging_bound_on_replayed_trace(run_scenario):
     e = aged_first[0]
     waiting_pi = [pi for rid, pi, _age, running, *_ in e["order"] if not running]
     assert e["order"][0][1] == min(waiting_pi) and len(waiting_pi) > 1
-    assert long_id in e["scheduled"]
+    until = next(x for x in steps if x["step"] >= e["step"] and long_id in x["scheduled"])
+    assert until["step"] - e["step"] <= p + m
+    assert all(x["order"][0][0] == long_id for x in steps
+               if e["step"] <= x["step"] <= until["step"])

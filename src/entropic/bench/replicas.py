@@ -415,7 +415,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def summarize(res: SimResult) -> dict:
     """TTFT and E2E mean/p99 (s), tau per second of makespan, the longest wait (steps)
-    against the aging threshold W and the bound W + Q * max(R, P)."""
+    against the aging threshold W and the bound W + Q * (P + M)."""
     ids = list(res.arrival)
     ttft = [res.first_token[r] - res.arrival[r] for r in ids]
     e2e = [res.finish[r] - res.arrival[r] for r in ids]

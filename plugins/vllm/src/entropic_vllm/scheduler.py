@@ -16,9 +16,10 @@ max_wait steps) first. Before each `Scheduler.schedule()` this class
    gives running requests tokens in that order and preempts the last one (the largest
    (priority, arrival)) when KV blocks run out: `EntropicPolicy.choose_victim`'s choice;
 3. displaces: while every running slot is taken, the best waiting request may take the
-   slot of a running request ranked after it when `EntropicPolicy.displace` allows (an aged
-   request, or a pi `displace_margin` times higher, after the victim's `min_residency`
-   steps and a token since admission); the victim is preempted with vLLM's own
+   slot of a running request ranked after it when `EntropicPolicy.displace` allows (a pi
+   `displace_margin` times higher, after the victim's `min_residency` steps and a token
+   since admission; an aged request displaces nobody, it takes the next free slot); the
+   victim is preempted with vLLM's own
    `_preempt_request` (blocks freed, back to waiting, recomputed later).
 The request's own `priority` argument is overwritten. Options (`additional_config`, key
 "entropic_scheduler"): the fields of `EntropicSchedulingConfig`, validated by entropic, and
