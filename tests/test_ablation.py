@@ -175,6 +175,14 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
     assert "spec_drafted_tokens" not in base["engine"]
     assert "| baseline |" in paths["md"].read_text()
     assert paths["plot_deltas"].stat().st_size > 1000
+    # each engine step's start, duration and running requests, in order, within the run
+    for c, runs in data["runs"].items():
+        for run in runs:
+            steps = run["steps"]
+            assert len(steps) == run["engine"]["steps"]
+            assert all(d > 0 and n >= 0 for _, d, n in steps) and max(n for *_, n in steps) >= 1
+            assert [t for t, _, _ in steps] == sorted(t for t, _, _ in steps)
+            assert steps[-1][0] + steps[-1][1] <= run["makespan"] + 1e-3
 
 
 @pytest.mark.parametrize("kw, flag", [({"repeats": 0}, "--repeats"), ({"threads": 0}, "--threads"),

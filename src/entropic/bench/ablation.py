@@ -174,7 +174,7 @@ def run_ablation(opts: AblationOptions) -> dict:
     """Serve the workload under every configuration; return raw records and run facts.
 
     Result: {"options", "configs" (names run), "items" (n),
-    "runs": {config: [ {"repeat", "makespan", "engine", "records": [...] } ]},
+    "runs": {config: [ {"repeat", "makespan", "engine", "steps", "records": [...] } ]},
     "wall_seconds"}.  Record i of every run of every configuration is the same request.
     """
     opts = opts.resolved()
@@ -235,6 +235,7 @@ def run_ablation(opts: AblationOptions) -> dict:
                 out = res.outputs[f"r{rep}|{it.key}"]
                 recs.append(_record(it, out, probe.pop(out.request_id, len(out.token_ids))))
             runs[name].append({"repeat": rep, "makespan": res.makespan, "engine": res.stats,
+                               "steps": [[round(t, 4), round(d, 5), n] for t, d, n in res.steps],
                                "records": recs})
     if bar is not None:
         bar.close()

@@ -192,7 +192,8 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
                               "sum_single": float(sum(m.better * change(m, x) for x in layers))}
     run_facts = {c: [{"repeat": r["repeat"], "makespan": r["makespan"],
                       "output_tok_s_makespan": sum(x["n_tokens"] for x in r["records"]) /
-                      r["makespan"], "engine": r["engine"]} for r in rs]
+                      r["makespan"], "engine": r["engine"],
+                      "steps": r.get("steps", [])} for r in rs]
                  for c, rs in runs.items()}
     return {"metrics": {m.name: {"label": m.label, "better": m.better, "relative": m.relative}
                         for m in metrics},

@@ -28,11 +28,14 @@ class TimedRequest:
 
 @dataclass
 class ReplayResult:
-    """Finished outputs by request id, the makespan, and the engine counters it moved."""
+    """Finished outputs by request id, the makespan, the engine counters it moved, and each
+    engine step's start (s from the replay's start), duration (s) and the requests running
+    after it."""
 
     outputs: dict[str, RequestOutput]
     makespan: float
     stats: dict[str, float]
+    steps: list[tuple[float, float, int]] = dataclasses.field(default_factory=list)
 
 
 def poisson_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
@@ -68,7 +71,7 @@ def replay(engine, requests: Sequence[TimedRequest],
     before = engine_counters(engine.stats)
     pending = sorted(requests, key=lambda r: r.offset)
     t0 = time.perf_counter()
-    i, finals = 0, {}
+    i, finals, steps = 0, {}, []
     while i < len(pending) or engine.has_unfinished_requests():
         now = time.perf_counter()
         while i < len(pending) and t0 + pending[i].offset <= now:
@@ -78,11 +81,16 @@ def replay(engine, requests: Sequence[TimedRequest],
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + pending[i].offset - time.perf_counter()))
             continue
-        for out in engine.step():
+        start = time.perf_counter()
+        outs = engine.step()
+        steps.append((start - t0, time.perf_counter() - start,
+                      len(engine.scheduler.running)))
+        for out in outs:
             if out.finished:
                 finals[out.request_id] = out
                 if on_finish is not None:
                     on_finish(out)
     makespan = time.perf_counter() - t0
     after = engine_counters(engine.stats)
-    return ReplayResult(finals, makespan, {k: after[k] - before.get(k, 0.0) for k in after})
+    return ReplayResult(finals, makespan, {k: after[k] - before.get(k, 0.0) for k in after},
+                        steps)
