@@ -170,3 +170,9 @@ def test_on_the_regime_a_mix_the_entropic_order_keeps_the_fcfs_tail():
     median = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
     assert median["current"] <= 1.06, ratios
     assert median["previous"] >= 1.12, ratios  # the comparison can tell the rules apart
+
+
+def test_a_cache_of_no_blocks_is_refused():
+    t = contended()
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        simulate(t, t.requests, 1, "per_replica", num_blocks=0)

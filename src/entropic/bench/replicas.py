@@ -293,6 +293,9 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if num_blocks is not None and num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1 (or None: memory never binds), "
+                         f"got {num_blocks}")
     config = config or EntropicSchedulingConfig()
     shared = EntropicClock()  # the global queue's scheduler sees every replica's tokens
     replicas = [_new_replica(trace, mode, shared if mode == "global" else EntropicClock(),

@@ -151,10 +151,11 @@ class EntropicPolicy:
         everyone = list(running) + list(waiting)
         aged = sorted((r for r in everyone if self.aged(r, step)),
                       key=lambda r: (-self.age(r, step), r.seq_no))
-        rest = [r for r in everyone if not self.aged(r, step)]
-        paused = sorted((r for r in rest if self.paused(r)),
-                        key=lambda r: (r.last_served_step, r.seq_no))
-        rest = [r for r in rest if not self.paused(r)]
+        paused, rest = [], []
+        for r in everyone:
+            if not self.aged(r, step):
+                (paused if self.paused(r) else rest).append(r)
+        paused.sort(key=lambda r: (r.last_served_step, r.seq_no))
         # running before waiting at equal priority keeps the batch stable
         rest.sort(key=lambda r: (-self.priority(r), r.status is not RequestStatus.RUNNING,
                                  r.seq_no))
