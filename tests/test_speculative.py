@@ -22,7 +22,8 @@ from entropic.engine.engine import LLMEngine
 from entropic.sampling.sampler import Sampler, SamplingBatch
 from entropic.sampling_params import ThermostatParams
 from entropic.speculative import SpeculativeConfig, Speculator
-from entropic.speculative.gate import AcceptanceModel, Candidate, StepTimes, entropy_bin, plan
+from entropic.speculative.gate import (AcceptanceModel, Candidate, RowCost, StepTimes, entropy_bin,
+                                       plan)
 from entropic.speculative.ngram import NgramProposer
 from entropic.speculative.speculator import _Regret
 
@@ -91,6 +92,34 @@ def test_gate_drafts_where_rows_pay_and_stops_where_they_do_not():
     assert entropy_bin(0.0) == 0 and entropy_bin(10.0) == 6
 
 
+def test_row_cost_is_one_line_through_noisy_steps_not_a_time_per_width():
+    """Verify rows are priced from one fit over all of a bucket's steps: a width drafted
+    rarely, whose few steps happened to be slow or to run at a long context, does not set
+    the price of every wider draft (a per-width table made monotone by a running maximum
+    did, and drafted little at batch 1 though rows there cost ~1 %)."""
+    import random
+    rng = random.Random(0)
+    a, b, c, d = 0.018, 0.0002, 0.0006, 0.003  # s; c, d per thousand positions
+    from entropic.speculative.gate import PRIOR_ROW_COST
+    cost = RowCost()
+    assert cost.view(1, 500).ratio(1) == pytest.approx(1 + PRIOR_ROW_COST)  # before a fit
+    widths = [1] * 60 + [2] * 20 + [5] * 10 + [9] * 3
+    for rows in widths * 4:
+        ctx = rng.choice([200, 800, 1600])
+        t = a + b * rows + c * (rows - 1) * ctx / 1000 + d * ctx / 1000
+        slow = 1.6 if rows == 9 and rng.random() < 0.3 else 1.0  # a rare width, unlucky
+        cost.record(1, rows, (rows - 1) * ctx, ctx, t * slow * rng.uniform(0.9, 1.1))
+    fa, fb, fc, fd = cost.line(1)
+    assert fa == pytest.approx(a, rel=0.1) and fd == pytest.approx(d, rel=0.25)
+    true = 1 + (b + c * 0.5) / (a + b + d * 0.5)  # one more row at context 500
+    assert cost.view(1, 500).ratio(1) == pytest.approx(true, abs=0.01)
+    # a context four times as long prices a verify row higher, as its attention costs
+    assert cost.view(1, 2000).ratio(1, 4) > cost.view(1, 500).ratio(1, 4)
+    # buckets apart: a batch of 16 has its own line, the prior until it has steps
+    assert cost.line(16) is None
+    assert cost.view(16, 8000).ratio(16) == pytest.approx(1 + PRIOR_ROW_COST / 16)
+
+
 def test_a_shut_bin_is_explored_a_bounded_number_of_times():
     from entropic.speculative.gate import EXPLORE_TRIES
     times = StepTimes()
@@ -119,7 +148,7 @@ def _regret_verdicts(r: _Regret, gains) -> list:
         v = r.decide()
         verdicts.append(v)
         if v == "plain":
-            r.plain_steps += 1
+            r.plain_measured()
         else:  # drafted steps deliver `gain` times a plain step's tokens per second
             r.spec.record(gain)
     return verdicts
@@ -141,6 +170,27 @@ def test_the_no_regret_check_shuts_drafting_that_loses(gain, shut):
     else:  # the gate decides, save the plain probes (every PROBE_EVERY-th step)
         plain = late.count("plain")
         assert abs(plain - len(late) / PROBE_EVERY) <= 1 and late.count(None) == len(late) - plain
+
+
+def test_steps_without_drafts_stand_in_for_the_forced_plain_ones():
+    """Where requests often find no draft (batch 1), those steps measure the plain time, and
+    no step that could draft is kept plain; without them one step in PROBE_EVERY is."""
+    from entropic.speculative.speculator import MIN_ARM_STEPS, PROBE_EVERY
+    r = _Regret()
+    verdicts = []
+    for i in range(40 * PROBE_EVERY):
+        v = r.decide()
+        verdicts.append(v)
+        if v == "plain" or i % (PROBE_EVERY // 2) == 0:  # nothing drafted this step
+            r.plain_measured()
+        else:
+            r.spec.record(1.5)
+    late = verdicts[MIN_ARM_STEPS + 2 * PROBE_EVERY:]
+    assert late.count("plain") == 0 and late.count(None) == len(late)
+    # every PROBE_EVERY + 1 steps without a plain one: the forced ones come back
+    r2 = _Regret()
+    late2 = _regret_verdicts(r2, [1.5] * (40 * PROBE_EVERY))[2 * PROBE_EVERY:]
+    assert abs(late2.count("plain") - len(late2) / PROBE_EVERY) <= 1
 
 
 def test_the_no_regret_check_reopens_when_drafting_pays_again():

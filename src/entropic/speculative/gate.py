@@ -9,10 +9,15 @@ Two online estimates (docs/speculative.md states the law and its constants):
   entropy h has probability at least exp(-h)), for later positions at least PRIOR_LATER;
   every verify updates the positions it tested. Drafted token j then adds
   g_j = a_1 * ... * a_j expected tokens;
-- step time t(R) of a decode step that computes R rows, an exponential moving average per
-  R measured from the engine's own steps (pure decode steps, drafting included; all-greedy
-  steps apart from sampling ones), made non-decreasing in R and extrapolated linearly
-  beyond the largest R measured, so c(k) = t(R + k) / t(R).
+- step time t(R) of a decode step that computes R rows, from the engine's own pure decode
+  steps (drafting, sampling and emitting included; all-greedy steps apart from sampling
+  ones), fitted online per batch-size bucket as t = a + b R + c V + d K, where V is the KV
+  positions the verify rows attend and K those the decode rows attend (summed over rows):
+  least squares with exponential forgetting (FORGET per step), so one more verify row of a
+  request at context L costs b + c L, and
+  c(k) = t(R + k) / t(R). One fit over all the steps of a bucket, not a time per R: a
+  width drafted rarely gets its time from the whole line, not from its own few noisy steps
+  taken at whatever context they happened at.
 The rule: with E the tokens a step commits without drafts (one per decoding request) and R
 its rows, the next drafted token, among all requests' candidates the one with the highest
 g, is added while g > E * (t(R + 1) / t(R) - 1): it must add more expected tokens than the
@@ -37,7 +42,10 @@ PRIOR_LATER = 0.7  # prior a_j for j > 1: a lookup that was right so far stays r
 PRIOR_MATCH = 0.6  # the prior's share for a prompt-lookup match (the draft may be wrong
 #                    even where the model is sure)
 EXPLORE_TRIES = 8  # first-position tests per bin before the bar alone decides
-EMA = 0.2  # weight of a new step-time measurement
+EMA = 0.2  # weight of a new step-time measurement (StepTimes)
+FORGET = 0.99  # RowCost: weight left to a step after each later one (~100 steps' memory)
+MIN_FIT_STEPS = 8  # RowCost: steps measured in a bucket before its fit replaces the prior
+RIDGE = 1e-3  # RowCost: pull of b and c towards 0, relative to the intercept's scale
 MAX_ROWS_TRACKED = 256
 # Before a step with more rows has been measured: one more row costs this share of a row
 # measured so far (a weight-streaming-bound decode step is nearly free to widen).
@@ -107,6 +115,103 @@ class StepTimes:
         if base is None:
             return 1.0 + PRIOR_ROW_COST * more / rows
         return self.time(rows + more) / base
+
+
+def batch_bucket(requests: int) -> int:
+    """1, 2-3, 4-7, 8-15, ... decoding requests."""
+    return max(requests, 1).bit_length()
+
+
+@dataclass
+class _LineFit:
+    """Weighted least squares of t = a + b R + c V + d K with exponential forgetting (R
+    rows, V the positions the verify rows attend and K those the requests' own decode rows
+    attend, in thousands): the decayed sums X'X and X't. V and K are apart because the
+    two are not priced alike: a request's first row reads its KV from memory, its verify
+    rows find much of it in cache."""
+
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    xt: list[float] = field(default_factory=lambda: [0.0] * 4)
+    steps: int = 0
+    coef: tuple[float, float, float, float] | None = None
+
+    def add(self, rows: int, verify_kilo: float, base_kilo: float, seconds: float) -> None:
+        x = (1.0, float(rows), verify_kilo, base_kilo)
+        for i in range(4):
+            self.xt[i] = FORGET * self.xt[i] + x[i] * seconds
+            for j in range(4):
+                self.xx[i][j] = FORGET * self.xx[i][j] + x[i] * x[j]
+        self.steps += 1
+        self.coef = self._solve() if self.steps >= MIN_FIT_STEPS else None
+
+    def _solve(self) -> tuple[float, float, float, float] | None:
+        n = 4
+        a = [row[:] for row in self.xx]
+        scale = max(a[0][0], 1e-12)
+        for i in range(1, n):
+            a[i][i] += RIDGE * scale
+        b = self.xt[:]
+        # Gaussian elimination with partial pivoting on the normal equations
+        for col in range(n):
+            piv = max(range(col, n), key=lambda r: abs(a[r][col]))
+            if abs(a[piv][col]) < 1e-18:
+                return None
+            a[col], a[piv], b[col], b[piv] = a[piv], a[col], b[piv], b[col]
+            for r in range(col + 1, n):
+                f = a[r][col] / a[col][col]
+                for c in range(col, n):
+                    a[r][c] -= f * a[col][c]
+                b[r] -= f * b[col]
+        sol = [0.0] * n
+        for r in reversed(range(n)):
+            sol[r] = (b[r] - sum(a[r][c] * sol[c] for c in range(r + 1, n))) / a[r][r]
+        return sol[0], *(max(v, 0.0) for v in sol[1:])  # more work never costs less
+
+
+class RowCost:
+    """What one more verify row costs: per batch-size bucket, the line
+    t = a + b R + c V + d K fitted to the bucket's pure decode steps (module docstring)."""
+
+    def __init__(self) -> None:
+        self._fits: dict[int, _LineFit] = {}
+
+    def record(self, requests: int, rows: int, verify_attended: float, attended: int,
+               seconds: float) -> None:
+        """A pure decode step: `requests` decode rows attending `attended` positions, and
+        rows - requests verify rows attending `verify_attended`."""
+        if requests > 0 and rows >= requests and seconds > 0:
+            self._fits.setdefault(batch_bucket(requests), _LineFit()).add(
+                rows, verify_attended / 1000.0, attended / 1000.0, seconds)
+
+    def line(self, requests: int) -> tuple[float, float, float, float] | None:
+        """(a, b, c, d) of the bucket of `requests` (seconds; c and d per thousand
+        positions); None before MIN_FIT_STEPS steps."""
+        fit = self._fits.get(batch_bucket(requests))
+        return None if fit is None else fit.coef
+
+    def view(self, requests: int, attended: int) -> "StepCost":
+        """The step about to run: `requests` decode rows attending `attended` positions."""
+        return StepCost(self.line(requests), requests, attended)
+
+
+@dataclass
+class StepCost:
+    """t(R + more) / t(R) for one step; each verify row attends the step's mean context."""
+
+    coef: tuple[float, float, float, float] | None
+    requests: int
+    attended: int
+
+    def ratio(self, rows: int, more: int = 1) -> float:
+        if self.coef is None:
+            return 1.0 + PRIOR_ROW_COST * more / rows
+        a, b, c, d = self.coef
+        kilo = self.attended / 1000.0
+        per_row = b + c * kilo / max(self.requests, 1)
+        base = a + b * rows + c * kilo * (rows - self.requests) / max(self.requests, 1) + d * kilo
+        if base <= 0:  # a line that does not describe this step: the prior
+            return 1.0 + PRIOR_ROW_COST * more / rows
+        return 1.0 + per_row * more / base
 
 
 class AcceptanceModel:

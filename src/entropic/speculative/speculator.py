@@ -15,16 +15,18 @@ from typing import Protocol, Sequence
 from entropic.engine.request import Request
 from entropic.outputs import SpeculationReading
 from entropic.speculative.config import SpeculativeConfig
-from entropic.speculative.gate import (EXPLORE_TRIES, AcceptanceModel, Candidate, StepTimes,
-                                       bin_label, plan)
+from entropic.speculative.gate import (EXPLORE_TRIES, AcceptanceModel, Candidate, RowCost,
+                                       StepTimes, batch_bucket, bin_label, plan)
 from entropic.speculative.ngram import NgramProposer
 
 
 # The no-regret check (docs/speculative.md): per (sampling, batch-size bucket), drafted
 # steps must deliver at least the committed tokens per second that a plain step with as
-# many requests delivers (its measured time), or the gate shuts; every PROBE_EVERY-th step
-# measures each kind again, and a shut bucket's drafting probes come ever more rarely
-# (interval doubling up to MAX_PROBE_EVERY) while they keep losing.
+# many requests delivers (its measured time), or the gate shuts; a step runs plain to
+# measure that time again when PROBE_EVERY steps have passed without one (steps where no
+# request found a draft count: at batch 1 they are common, and a forced plain step there
+# costs a whole step's drafted tokens), and a shut bucket's drafting probes come ever more
+# rarely (interval doubling up to MAX_PROBE_EVERY) while they keep losing.
 YIELD_EMA = 0.1
 MIN_ARM_STEPS = 4
 PROBE_EVERY = 16
@@ -97,6 +99,7 @@ class _Regret:
     plain_steps: int = 0
     spec: _Gain = field(default_factory=_Gain)
     steps: int = 0
+    last_plain: int = 0  # `steps` when the latest plain step was measured
     # a shut bucket drafts once per `interval` steps; each such probe that finds it still
     # losing doubles the interval (the regret of probing grows with log(steps), not steps)
     interval: int = PROBE_EVERY
@@ -106,7 +109,7 @@ class _Regret:
         """'plain': draft nothing this step; 'spec': draft as planned even if it loses;
         None: as planned."""
         self.steps += 1
-        if self.plain_steps < MIN_ARM_STEPS or self.steps % PROBE_EVERY == PROBE_EVERY // 2:
+        if self.plain_steps < MIN_ARM_STEPS or self.steps - self.last_plain >= PROBE_EVERY:
             return "plain"  # keep measuring what the step costs without drafts
         if self.spec.n < MIN_ARM_STEPS:
             return "spec"
@@ -120,10 +123,11 @@ class _Regret:
         self.interval = min(2 * self.interval, MAX_PROBE_EVERY)
         return "spec"
 
-
-def batch_bucket(rows: int) -> int:
-    """1, 2-3, 4-7, 8-15, ... decoding requests."""
-    return max(rows, 1).bit_length()
+    def plain_measured(self) -> None:
+        """This step drafted nothing (kept plain, or no request found a draft): its time
+        is a plain step's."""
+        self.plain_steps += 1
+        self.last_plain = self.steps
 
 
 class Speculator:
@@ -134,9 +138,10 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min,
                                                             config.prompt_lookup_max)
         self.acceptance = AcceptanceModel(config.prompt_lookup_max)
-        # step times apart for all-greedy steps and steps that sample (a sampled row costs
-        # a softmax, the noise and any top-k/top-p sort on top of a greedy row's argmax)
-        self.times = {False: StepTimes(), True: StepTimes()}
+        # the cost of verify rows, apart for all-greedy steps and steps that sample (a
+        # sampled row costs a softmax, the noise and any top-k/top-p sort on top of a
+        # greedy row's argmax)
+        self.times = {False: RowCost(), True: RowCost()}
         self.stats = SpeculationStats()
         self._requests: dict[str, SpeculationReading] = {}
         self._keys: dict[str, tuple[bool, int, int]] = {}  # the key of this step's draft
@@ -148,6 +153,9 @@ class Speculator:
         # it committed
         self._step: tuple[tuple[bool, int], int, bool] | None = None
         self._step_tokens = 0
+        # this step's decoding requests, the KV positions they attend, and the mean context
+        # of the requests that drafted (each verify row attends its request's context)
+        self._shape: tuple[int, int, float] = (0, 0, 0.0)
 
     def propose(self, requests: Sequence[tuple[Request, int]], base_rows: int
                 ) -> dict[str, list[int]]:
@@ -156,6 +164,8 @@ class Speculator:
         cfg = self.config
         self._keys = {}
         self._step, self._step_tokens = None, 0
+        context = {req.request_id: req.num_tokens for req, _ in requests}
+        self._shape = (base_rows, sum(context.values()), 0.0)
         if cfg.disable_by_batch_size is not None and base_rows >= cfg.disable_by_batch_size:
             return {}
         drafts, cands, rates = {}, [], {}
@@ -186,11 +196,15 @@ class Speculator:
         if cfg.gate == "fixed":
             lengths = {c.request_id: c.max_tokens for c in cands}
         else:
-            lengths = plan(cands, rates, self.times[sampling], base_rows, base_rows)
+            lengths = plan(cands, rates, self.times[sampling].view(base_rows, self._shape[1]),
+                           base_rows, base_rows)
             if verdict == "spec" and not any(lengths.values()):
                 lengths = {c.request_id: 1 for c in cands}  # probe with one token each
             self._step = (bucket, base_rows, any(n > 0 for n in lengths.values()))
         out = {rid: drafts[rid][:n] for rid, n in lengths.items() if n > 0}
+        if out:
+            self._shape = (*self._shape[:2], sum(context[r] * len(d) for r, d in out.items())
+                           / sum(len(d) for d in out.values()))
         self.stats.gate_open += len(out)
         return out
 
@@ -223,16 +237,20 @@ class Speculator:
     def observe_step(self, rows: int, seconds: float, sampling: bool) -> None:
         """The wall time of a step that computed only decode and verify rows (`sampling`:
         some row was sampled, not greedy), after its tokens were committed."""
-        self.times[sampling].record(rows, seconds)
+        requests, attended, drafted_context = self._shape
+        if requests and rows >= requests:  # each verify row attends its request's context
+            self.times[sampling].record(requests, rows, (rows - requests) * drafted_context,
+                                        attended, seconds)
         if self._step is not None and seconds > 0 and self._step_tokens > 0:
             bucket, requests, drafted = self._step
             regret, plain = self.regret[bucket], self.plain_times[bucket[0]]
             if not drafted:
                 plain.record(rows, seconds)
-                regret.plain_steps += 1
+                regret.plain_measured()
             elif (t_plain := plain.time(requests)) is not None:
                 regret.spec.record(self._step_tokens * t_plain / (requests * seconds))
         self._step, self._step_tokens = None, 0
+        self._shape = (0, 0, 0.0)
 
     def reading(self, request_id: str) -> SpeculationReading | None:
         return self._requests.get(request_id)
