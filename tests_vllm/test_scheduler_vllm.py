@@ -110,3 +110,19 @@ def test_aging_bound_on_replayed_trace(run_scenario):
     assert until["step"] - e["step"] <= p + m
     assert all(x["order"][0][0] == long_id for x in steps
                if e["step"] <= x["step"] <= until["step"])
+
+
+def test_displaced_requests_pause_and_resume_where_they_stopped(run_scenario):
+    """A displaced request keeps its KV blocks (the trace's pool holds every request): it
+    comes back as vLLM's resumed request with all its tokens but the pending one computed,
+    and is scheduled one decode token, not its context again; no KV is dropped."""
+    res = run_scenario("scheduler")
+    steps = trace_steps(res)
+    displaced = [(e["step"], rid) for e in steps for rid in e["displaced"]]
+    assert displaced, "the trace displaced nobody: the test checks nothing"
+    assert not any(e["kv_dropped"] for e in steps)
+    for step, rid in displaced:
+        back = next(e for e in steps if e["step"] > step
+                    and any(r[0] == rid for r in e["resumed"]))
+        _, computed, scheduled = next(r for r in back["resumed"] if r[0] == rid)
+        assert computed > 0 and scheduled == 1, (rid, back["resumed"])

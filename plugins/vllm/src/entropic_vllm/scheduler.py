@@ -18,9 +18,16 @@ max_wait steps) first. Before each `Scheduler.schedule()` this class
 3. displaces: while every running slot is taken, the best waiting request may take the
    slot of a running request ranked after it when `EntropicPolicy.displace` allows (a pi
    `displace_margin` times higher, after the victim's `min_residency` steps and a token
-   since admission; an aged request displaces nobody, it takes the next free slot); the
-   victim is preempted with vLLM's own
-   `_preempt_request` (blocks freed, back to waiting, recomputed later).
+   since admission; an aged request displaces nobody, it takes the next free slot), and
+   only while the newcomer's whole context fits in the free blocks beside one block of
+   growth per running request. The victim *pauses*: it goes through vLLM's own
+   `_preempt_request` with its blocks kept and its computed tokens restored, back to
+   `self.waiting` under its rank, and resumes where it stopped (vLLM's waiting loop admits
+   a request with computed tokens as it does one whose KV arrived from a connector);
+Between 2 and 3, under memory pressure (fewer free blocks than running requests, or than
+the first waiting request needs while a slot is free) it drops the KV of paused requests,
+lowest rank first, before vLLM's running loop would recompute a running one: those are
+recomputed when readmitted (counted in `num_recomputes`).
 The request's own `priority` argument is overwritten. Options (`additional_config`, key
 "entropic_scheduler"): the fields of `EntropicSchedulingConfig`, validated by entropic, and
 "log": a path where each step's ranking and decisions are appended as JSON lines.
@@ -150,6 +157,8 @@ class EntropicScheduler(Scheduler):
         atexit.register(self.board.unlink)
         self.step = 0
         self.num_displacements = 0
+        self.num_pauses = 0  # displaced with their KV kept
+        self.num_recomputes = 0  # paused requests whose KV memory pressure took back
         self.num_entropies = 0
         self.seconds = 0.0
         self._silent_steps = 0
@@ -180,6 +189,7 @@ class EntropicScheduler(Scheduler):
         self._forget_finished()
         seen = self._read_board()
         order = self._rank(step)
+        dropped = self._relieve_pressure(order)
         displaced = self._displace(order, step)
         self.seconds = time.perf_counter() - t0  # entropic's share of this step's scheduling
         out = super().schedule(*args, **kwargs)
@@ -192,7 +202,7 @@ class EntropicScheduler(Scheduler):
         for rid in [r for r in self._admitted if r not in running]:
             del self._admitted[rid]  # preempted or finished: admitted anew when it returns
         if self._log is not None:
-            self._write_log(step, order, displaced, out, seen)
+            self._write_log(step, order, displaced, dropped, out, seen)
         return out
 
     def shutdown(self) -> None:
@@ -255,30 +265,88 @@ class EntropicScheduler(Scheduler):
         return order
 
     def _displace(self, order: list[_View], step: int) -> list[str]:
-        """Free running slots for the best waiting requests where the law allows it; vLLM's
-        own admission then takes them in rank order."""
+        """Free running slots for the best waiting requests where the law allows it and the
+        newcomer's blocks fit; vLLM's own admission then takes them in rank order."""
         # vLLM's own admission test (Scheduler.schedule, the waiting loop)
         free = (self.max_num_active_reqs - len(self.running)
                 - self.num_waiting_for_streaming_input)
+        blocks = self._free_blocks()
         done: list[str] = []
         for i, w in enumerate(order):
             if w.status is RequestStatus.RUNNING or w.req.status not in SCHEDULABLE:
                 continue
             if free > 0:
                 free -= 1
+                blocks -= self._blocks_owed(w.req)
                 continue
             later = [v for v in order[i + 1:] if v.status is RequestStatus.RUNNING
                      and v.req in self.running]
             if not later:
                 break
             victim = self.law.choose_victim(later, step)
-            if not self.law.displace(w, victim, step):
-                break  # no overtaking in the order: admission stops here, as in entropic
+            owed = self._blocks_owed(w.req)
+            if (not self.law.displace(w, victim, step)
+                    or owed + len(self.running) > blocks):
+                # no overtaking in the order: admission stops here, as in entropic; where
+                # the newcomer's blocks do not fit beside the victim's KV it waits at the
+                # head of the order (a displacement there would be time-slicing by
+                # recompute)
+                break
             self.running.remove(victim.req)
-            self._preempt_request(victim.req, time.monotonic())
+            self._pause(victim.req)
+            blocks -= owed
             self.num_displacements += 1
             done.append(victim.request_id)
         return done
+
+    def _free_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def _blocks_owed(self, req: Request) -> int:
+        """Blocks a waiting request needs for the rest of its context."""
+        if req.num_computed_tokens:  # paused: its blocks are held already
+            return max(0, -(-req.num_tokens // self.block_size)
+                       - -(-req.num_computed_tokens // self.block_size))
+        return -(-req.num_tokens // self.block_size)
+
+    def _pause(self, req: Request) -> None:
+        """vLLM's preemption without its block free: the request keeps its KV and its
+        computed tokens and waits under its rank in `self.waiting` (where vLLM put it)."""
+        computed = req.num_computed_tokens
+        self._free_request_blocks = lambda _req: None  # shadows the method for this call
+        try:
+            self._preempt_request(req, time.monotonic())
+        finally:
+            del self._free_request_blocks
+        req.num_computed_tokens = computed
+        self.num_pauses += 1
+
+    def _relieve_pressure(self, order: list[_View]) -> list[str]:
+        """Memory is short: fewer free blocks than running requests (each may need one more
+        this step), or than the first waiting request needs for its context while a slot
+        is free for it. Drop the KV of paused requests, lowest rank first, before vLLM's
+        running loop recomputes a running one (or the waiting head waits for blocks that
+        paused requests behind it hold). A dropped request is recomputed when readmitted."""
+        need = len(self.running)
+        head = next((v.req for v in order if v.status is not RequestStatus.RUNNING
+                     and v.req.status in SCHEDULABLE), None)
+        if (head is not None and not head.num_computed_tokens
+                and len(self.running) < self.max_num_active_reqs):
+            need += self._blocks_owed(head)
+        dropped: list[str] = []
+        paused = [v.req for v in reversed(order) if v.status is not RequestStatus.RUNNING
+                  and v.req.status is VllmStatus.PREEMPTED and v.req.num_computed_tokens]
+        for req in paused:
+            if self._free_blocks() >= need:
+                break
+            self._free_request_blocks(req)
+            req.num_computed_tokens = 0
+            if req in self.kv_holding_waiting:
+                self.kv_holding_waiting.remove_request(req)
+                self.waiting.add_request(req)
+            self.num_recomputes += 1
+            dropped.append(req.request_id)
+        return dropped
 
     def _forget_finished(self) -> None:
         gone = [rid for rid in self._tag if rid not in self.requests]
@@ -289,16 +357,21 @@ class EntropicScheduler(Scheduler):
         if gone:
             self.clock.release(gone)
 
-    def _write_log(self, step: int, order: list[_View], displaced: list[str], out,
-                   seen: list[tuple[str, int, float]]) -> None:
+    def _write_log(self, step: int, order: list[_View], displaced: list[str],
+                   dropped: list[str], out, seen: list[tuple[str, int, float]]) -> None:
+        cached = out.scheduled_cached_reqs
         rows = [[v.request_id, self.law.priority(v), self.law.age(v, step),
                  v.status is RequestStatus.RUNNING, v.num_output_tokens,
                  len(self.clock.history(v.request_id))] for v in order]
         self._log.write(json.dumps({
-            "step": step, "order": rows, "displaced": displaced,
+            "step": step, "order": rows, "displaced": displaced, "kv_dropped": dropped,
             "scheduled": sorted(out.num_scheduled_tokens),
             "new": [r.req_id for r in out.scheduled_new_reqs],
             "preempted": sorted(out.preempted_req_ids or ()),
+            # resumed after a preemption: [id, tokens computed before this step, scheduled]
+            "resumed": [[rid, n, out.num_scheduled_tokens.get(rid, 0)] for rid, n in
+                        zip(cached.req_ids, cached.num_computed_tokens)
+                        if rid in cached.resumed_req_ids],
             "observed": seen, "kappa": self.clock.drop_per_nat(),
             "entropic_s": self.seconds}) + "\n")
         self._log.flush()
