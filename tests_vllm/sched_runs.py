@@ -9,7 +9,8 @@ within a short run. Two phases:
 - greedy: vllm_runs.PROMPTS, 24 greedy tokens each, through LLM.generate (compared with
   the baseline scenario, vLLM's default scheduler);
 - trace: a replayed trace: requests added to the engine at fixed engine iterations (one
-  long prompt at the start, then a stream of short ones), sampled at temperature 1.
+  long prompt at the start, then a stream of short ones, then two counting requests
+  displaced by two late short ones), sampled at temperature 1.
 The scheduler's own log (every step: the ranking, what was scheduled, displaced, the
 entropies it read) comes back with the outputs.
 """
@@ -27,9 +28,15 @@ LONG = ("Summarise the following notes in one line. " * 14).strip()
 SHORTS = ["Hi", "Count: 1, 2,", "Red, green,", "The cat", "Once upon a", "2 + 2 =",
           "Hello world", "A B C", "Yes or no?", "Paris is"]
 # (engine iteration at which it arrives, request id, prompt, max_tokens)
+# ... and at the end, after the stream has drained, two greedy requests that count (entropy
+# near 0, so the lowest pi), then two short ones arriving while both count: they displace
+# them (pauses, the counts resume where they stopped)
 TRACE = ([(0, "t00-short", "The weather today", 10), (0, "t01-long", LONG, 12),
           (0, "t02-short", "My favourite colour", 10)]
-         + [(3 + 4 * i, f"t{i + 3:02d}-short", p, 8) for i, p in enumerate(SHORTS)])
+         + [(3 + 4 * i, f"t{i + 3:02d}-short", p, 8) for i, p in enumerate(SHORTS)]
+         + [(64, "t13-count", "A, B, C, D, E, F, G, H, I, J, K,", 24),
+            (64, "t14-count", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,", 24),
+            (72, "t15-short", "Tell me a story about", 8), (72, "t16-short", "My name is", 8)])
 
 
 def main() -> None:
@@ -64,9 +71,12 @@ def main() -> None:
     done: dict[str, dict] = {}
     it = 0
     while pending or engine.has_unfinished_requests():
+        if pending and not engine.has_unfinished_requests():
+            it = max(it, pending[0][0])  # idle: the next arrival now (step() waits for work)
         while pending and pending[0][0] <= it:
             _, rid, prompt, n = pending.pop(0)
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=1.0,
+            temperature = 0.0 if "count" in rid else 1.0
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=temperature,
                                                            seed=int(rid[1:3]),
                                                            ignore_eos=True))
         for o in engine.step():

@@ -270,7 +270,7 @@ class EntropicScheduler(Scheduler):
         # vLLM's own admission test (Scheduler.schedule, the waiting loop)
         free = (self.max_num_active_reqs - len(self.running)
                 - self.num_waiting_for_streaming_input)
-        blocks = self._free_blocks()
+        blocks = self._num_free_blocks()
         done: list[str] = []
         for i, w in enumerate(order):
             if w.status is RequestStatus.RUNNING or w.req.status not in SCHEDULABLE:
@@ -299,7 +299,7 @@ class EntropicScheduler(Scheduler):
             done.append(victim.request_id)
         return done
 
-    def _free_blocks(self) -> int:
+    def _num_free_blocks(self) -> int:
         return self.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def _blocks_owed(self, req: Request) -> int:
@@ -337,7 +337,7 @@ class EntropicScheduler(Scheduler):
         paused = [v.req for v in reversed(order) if v.status is not RequestStatus.RUNNING
                   and v.req.status is VllmStatus.PREEMPTED and v.req.num_computed_tokens]
         for req in paused:
-            if self._free_blocks() >= need:
+            if self._num_free_blocks() >= need:
                 break
             self._free_request_blocks(req)
             req.num_computed_tokens = 0
