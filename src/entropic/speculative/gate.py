@@ -34,6 +34,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Entropy bin edges (nats) of the last committed token's distribution.
 ENTROPY_EDGES = (0.05, 0.25, 0.5, 1.0, 2.0, 4.0)
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the exp(-h) prior
@@ -130,42 +132,25 @@ class _LineFit:
     two are not priced alike: a request's first row reads its KV from memory, its verify
     rows find much of it in cache."""
 
-    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
-    xt: list[float] = field(default_factory=lambda: [0.0] * 4)
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    xt: np.ndarray = field(default_factory=lambda: np.zeros(4))
     steps: int = 0
     coef: tuple[float, float, float, float] | None = None
 
     def add(self, rows: int, verify_kilo: float, base_kilo: float, seconds: float) -> None:
-        x = (1.0, float(rows), verify_kilo, base_kilo)
-        for i in range(4):
-            self.xt[i] = FORGET * self.xt[i] + x[i] * seconds
-            for j in range(4):
-                self.xx[i][j] = FORGET * self.xx[i][j] + x[i] * x[j]
+        x = np.array((1.0, float(rows), verify_kilo, base_kilo))
+        self.xx = FORGET * self.xx + np.outer(x, x)
+        self.xt = FORGET * self.xt + x * seconds
         self.steps += 1
         self.coef = self._solve() if self.steps >= MIN_FIT_STEPS else None
 
     def _solve(self) -> tuple[float, float, float, float] | None:
-        n = 4
-        a = [row[:] for row in self.xx]
-        scale = max(a[0][0], 1e-12)
-        for i in range(1, n):
-            a[i][i] += RIDGE * scale
-        b = self.xt[:]
-        # Gaussian elimination with partial pivoting on the normal equations
-        for col in range(n):
-            piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-            if abs(a[piv][col]) < 1e-18:
-                return None
-            a[col], a[piv], b[col], b[piv] = a[piv], a[col], b[piv], b[col]
-            for r in range(col + 1, n):
-                f = a[r][col] / a[col][col]
-                for c in range(col, n):
-                    a[r][c] -= f * a[col][c]
-                b[r] -= f * b[col]
-        sol = [0.0] * n
-        for r in reversed(range(n)):
-            sol[r] = (b[r] - sum(a[r][c] * sol[c] for c in range(r + 1, n))) / a[r][r]
-        return sol[0], *(max(v, 0.0) for v in sol[1:])  # more work never costs less
+        ridge = RIDGE * max(self.xx[0, 0], 1e-12) * np.diag((0.0, 1.0, 1.0, 1.0))
+        try:
+            a, *rest = np.linalg.solve(self.xx + ridge, self.xt).tolist()
+        except np.linalg.LinAlgError:
+            return None
+        return a, *(max(v, 0.0) for v in rest)  # more work never costs less
 
 
 class RowCost:

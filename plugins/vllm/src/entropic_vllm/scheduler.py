@@ -49,6 +49,7 @@ from vllm.v1.request import Request, RequestStatus as VllmStatus
 from entropic.config import ModelConfig
 from entropic.control.clock import EntropicClock
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
+from entropic.engine.block_pool import cdiv
 from entropic.engine.cost import CostModel
 from entropic.engine.request import RequestStatus
 from entropic_vllm.board import BOARD_KEY, TAG_KEY, EntropyBoard
@@ -303,11 +304,10 @@ class EntropicScheduler(Scheduler):
         return self.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def _blocks_owed(self, req: Request) -> int:
-        """Blocks a waiting request needs for the rest of its context."""
-        if req.num_computed_tokens:  # paused: its blocks are held already
-            return max(0, -(-req.num_tokens // self.block_size)
-                       - -(-req.num_computed_tokens // self.block_size))
-        return -(-req.num_tokens // self.block_size)
+        """Blocks a waiting request needs for the rest of its context (a paused one holds
+        those of its computed tokens already)."""
+        return (cdiv(req.num_tokens, self.block_size)
+                - cdiv(req.num_computed_tokens, self.block_size))
 
     def _pause(self, req: Request) -> None:
         """vLLM's preemption without its block free: the request keeps its KV and its
