@@ -22,8 +22,10 @@ Workloads (docs/speculative.md says how each prompt is built):
 - mixed: the five above, interleaved.
 
 Per (workload, batch, temperature, mode): output tokens per wall second over the whole
-set (N prompts submitted at once, max_num_seqs = batch), the speedup against off within
-the same round (median over rounds), acceptance rate, tokens per forward pass, gate-open
+set (N prompts submitted at once, max_num_seqs = batch; at batch 1 the modes take turns
+prompt by prompt, ABC CBA, so that the host's drift between compared runs is seconds), the
+speedup against off within the same round (median over rounds; each round's in
+"speedups"), acceptance rate, tokens per forward pass, gate-open
 rate, and whether every request's token ids equal the off run's (T=0 greedy; T=0.7 seeded
 per prompt, so the ids must match as well). Also c(k): the wall time of a step verifying
 k drafted tokens (k + 1 rows of one sequence) over a one-row decode step, k = 1..8.
@@ -132,29 +134,57 @@ def make_engine(llm: LLM, mode: str, batch: int, k: int) -> LLMEngine:
                      observer=EntropicClock(), speculator=spec)
 
 
+SPEC_COUNTERS = ("drafted_tokens", "accepted_tokens", "decode_steps", "committed_tokens",
+                 "gate_checks", "gate_open", "drafts")
+
+
 def run_set(engine: LLMEngine, prompts: list[list[int]], temperature: float,
-            max_tokens: int) -> dict:
+            max_tokens: int, first: int = 0) -> dict:
+    """Run `prompts` (seeds 1000 + first + i) to completion on `engine`."""
     before = engine.speculator.stats.as_dict() if engine.speculator else None
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts, start=first):
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
         engine.add_request(f"q{i}", p, params)
     t0 = time.perf_counter()
     outs = {o.request_id: o for o in engine.run_until_done()}
     wall = time.perf_counter() - t0
-    ids = [outs[f"q{i}"].token_ids for i in range(len(prompts))]
+    ids = [outs[f"q{i}"].token_ids for i in range(first, first + len(prompts))]
     res = {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids}
-    res["tok_s"] = res["tokens"] / wall
     if before is not None:
         after = engine.speculator.stats.as_dict()
-        d = {k: after[k] - before[k] for k in ("drafted_tokens", "accepted_tokens",
-                                               "decode_steps", "committed_tokens",
-                                               "gate_checks", "gate_open", "drafts")}
-        d["acceptance_rate"] = d["accepted_tokens"] / d["drafted_tokens"] if d["drafted_tokens"] else 0.0
-        d["tokens_per_forward"] = (d["committed_tokens"] / d["decode_steps"]
-                                   if d["decode_steps"] else 0.0)
-        d["gate_open_rate"] = d["gate_open"] / d["gate_checks"] if d["gate_checks"] else 0.0
-        res["spec"] = d
+        res["spec"] = {k: after[k] - before[k] for k in SPEC_COUNTERS}
     return res
+
+
+def run_round(engines: dict, modes: tuple[str, ...], batch: int, prompts: list[list[int]],
+              temperature: float, max_tokens: int, flip: bool) -> dict[str, dict]:
+    """One round of every mode over the same prompts. At batch 1 the modes alternate per
+    prompt (ABC, CBA, ...), so that the host's drift between compared runs is a few
+    seconds, not a whole set's; at larger batches each mode runs the whole set at once
+    (a chunk would drain the batch), in alternating order."""
+    chunk = 1 if batch == 1 else len(prompts)
+    parts: dict[str, list[dict]] = {m: [] for m in modes}
+    for c, start in enumerate(range(0, len(prompts), chunk)):
+        order = modes if (c % 2 == 0) != flip else modes[::-1]
+        for m in order:
+            parts[m].append(run_set(engines[(m, batch)], prompts[start:start + chunk],
+                                    temperature, max_tokens, first=start))
+    out = {}
+    for m, runs in parts.items():
+        res = {"wall_s": sum(x["wall_s"] for x in runs),
+               "tokens": sum(x["tokens"] for x in runs),
+               "ids": [i for x in runs for i in x["ids"]]}
+        res["tok_s"] = res["tokens"] / res["wall_s"]
+        if runs[0].get("spec") is not None:
+            d = {k: sum(x["spec"][k] for x in runs) for k in SPEC_COUNTERS}
+            d["acceptance_rate"] = (d["accepted_tokens"] / d["drafted_tokens"]
+                                    if d["drafted_tokens"] else 0.0)
+            d["tokens_per_forward"] = (d["committed_tokens"] / d["decode_steps"]
+                                       if d["decode_steps"] else 0.0)
+            d["gate_open_rate"] = d["gate_open"] / d["gate_checks"] if d["gate_checks"] else 0.0
+            res["spec"] = d
+        out[m] = res
+    return out
 
 
 def verify_cost(llm: LLM, contexts=(256, 1024), ks=range(0, 9), repeats: int = 9) -> dict:
@@ -323,9 +353,9 @@ def main() -> None:
             for temp in temps:
                 per_round: dict[str, list[dict]] = {m: [] for m in modes}
                 for r in range(rounds):
-                    order = modes if r % 2 == 0 else modes[::-1]
-                    for m in order:
-                        per_round[m].append(run_set(engines[(m, b)], prompts, temp, max_tokens))
+                    got = run_round(engines, modes, b, prompts, temp, max_tokens, r % 2 == 1)
+                    for m in modes:
+                        per_round[m].append(got[m])
                 row = {"workload": w, "batch": b, "temperature": temp, "n": len(prompts)}
                 for m in modes:
                     runs = per_round[m]
@@ -333,6 +363,8 @@ def main() -> None:
                         "tok_s": statistics.median(x["tok_s"] for x in runs),
                         "speedup": statistics.median(
                             x["tok_s"] / o["tok_s"] for x, o in zip(runs, per_round["off"])),
+                        "speedups": [x["tok_s"] / o["tok_s"]
+                                     for x, o in zip(runs, per_round["off"])],
                         "same_ids": all(x["ids"] == o["ids"]
                                         for x, o in zip(runs, per_round["off"])),
                         "spec": runs[-1].get("spec"),

@@ -109,7 +109,7 @@ def test_row_cost_is_one_line_through_noisy_steps_not_a_time_per_width():
         t = a + b * rows + c * (rows - 1) * ctx / 1000 + d * ctx / 1000
         slow = 1.6 if rows == 9 and rng.random() < 0.3 else 1.0  # a rare width, unlucky
         cost.record(1, rows, (rows - 1) * ctx, ctx, t * slow * rng.uniform(0.9, 1.1))
-    fa, fb, fc, fd = cost.line(1)
+    fa, fb, fc, fd, fe = cost.line(1)
     assert fa == pytest.approx(a, rel=0.1) and fd == pytest.approx(d, rel=0.25)
     true = 1 + (b + c * 0.5) / (a + b + d * 0.5)  # one more row at context 500
     assert cost.view(1, 500).ratio(1) == pytest.approx(true, abs=0.01)
@@ -118,6 +118,59 @@ def test_row_cost_is_one_line_through_noisy_steps_not_a_time_per_width():
     # buckets apart: a batch of 16 has its own line, the prior until it has steps
     assert cost.line(16) is None
     assert cost.view(16, 8000).ratio(16) == pytest.approx(1 + PRIOR_ROW_COST / 16)
+
+
+def test_a_new_tile_of_rows_is_drafted_only_where_the_whole_tile_pays():
+    """On AMX a step's 17th row costs a second pass of 16-row tiles (~15 % of the step),
+    the 2nd to 16th ~1 % each. The fit finds that step, and the plan, which maximises
+    expected tokens per second over the whole order of drafts (not one row at a time),
+    drafts a tile's worth of rows at batch 16 where together they pay, and nothing where
+    one unsure request alone would buy the new tile; nor does exploration buy it."""
+    import random
+    from entropic.speculative.gate import TILE_ROWS, tiles
+    rng = random.Random(1)
+    a, b, d, e = 0.020, 0.0003, 0.0005, 0.004  # s; d per thousand positions
+    cost = RowCost()
+    for _ in range(200):
+        rows = 16 + rng.choice([0, 0, 0, 1, 2, 4, 8, 16, 17, 24])
+        ctx = 16 * rng.choice([200, 400])
+        t = a + b * rows + d * ctx / 1000 + e * tiles(rows)
+        cost.record(16, rows, 0, ctx, t * rng.uniform(0.97, 1.03))
+    fit = cost.line(16)
+    assert fit[4] == pytest.approx(e, rel=0.2) and fit[1] == pytest.approx(b, rel=0.3)
+    view = cost.view(16, 16 * 300)
+    step = a + 16 * b + d * 4.8 + e
+    assert view.ratio(16) == pytest.approx(1 + (b + e) / step, rel=0.05)  # a new tile
+    assert view.ratio(17) - 1 < (view.ratio(16) - 1) / 5  # within the tile: ~a row
+    unsure = Candidate("u", (False, 3, 2), 8)
+    assert plan([unsure], {"u": [0.5] * 8}, view, 16, 16)["u"] == 0
+    assert plan([Candidate("u", (False, 3, 2), 8, explore=True)], {"u": [0.5] * 8}, view,
+                16, 16)["u"] == 0  # exploring would buy the tile: not at this step
+    sure = [Candidate(f"s{i}", (True, 0, 5), 8) for i in range(16)]
+    k = plan(sure, {c.request_id: [0.9] * 8 for c in sure}, view, 16, 16)
+    assert sum(k.values()) >= TILE_ROWS  # one row alone (0.9 tokens) buys no tile; 16 do
+
+
+def test_row_cost_fit_keeps_every_cost_non_negative_by_solving_again():
+    """Steps whose time falls as the attended context grows (the host slowed down while
+    short requests ran, say): a free fit gives that term a negative cost. It is fixed at 0
+    and the rest fitted again, so the line still describes the steps; clamping it after
+    the solve left an intercept above every step measured and made rows look free."""
+    import random
+    rng = random.Random(2)
+    cost = RowCost()
+    times = []
+    for _ in range(120):
+        rows, kilo = 16 + rng.choice([0, 4, 8]), rng.uniform(10, 30)
+        t = 0.08 + 0.001 * rows - 0.0015 * kilo
+        times.append(t)
+        cost.record(16, rows, 0, int(kilo * 1000), t)
+    a, b, c, d, e = cost.line(16)
+    assert min(b, c, d, e) >= 0 and d == 0
+    assert a < max(times)
+    mean_rows, mean_kilo = 20, 20
+    predicted = a + b * mean_rows + e * 2 + d * mean_kilo
+    assert predicted == pytest.approx(0.08 + 0.001 * mean_rows - 0.0015 * mean_kilo, rel=0.15)
 
 
 def test_a_shut_bin_is_explored_a_bounded_number_of_times():

@@ -11,21 +11,29 @@ Two online estimates (docs/speculative.md states the law and its constants):
   g_j = a_1 * ... * a_j expected tokens;
 - step time t(R) of a decode step that computes R rows, from the engine's own pure decode
   steps (drafting, sampling and emitting included; all-greedy steps apart from sampling
-  ones), fitted online per batch-size bucket as t = a + b R + c V + d K, where V is the KV
-  positions the verify rows attend and K those the decode rows attend (summed over rows):
-  least squares with exponential forgetting (FORGET per step), so one more verify row of a
-  request at context L costs b + c L, and
-  c(k) = t(R + k) / t(R). One fit over all the steps of a bucket, not a time per R: a
-  width drafted rarely gets its time from the whole line, not from its own few noisy steps
-  taken at whatever context they happened at.
+  ones), fitted online per batch-size bucket as t = a + b R + e ceil(R / TILE_ROWS) + c V
+  + d K, where V is the KV positions the verify rows attend and K those the decode rows
+  attend (summed over rows): least squares with exponential forgetting (FORGET per step), so
+  one more verify row of a request at context L costs b + c L, plus e where it starts a new
+  tile of TILE_ROWS rows, and c(k) = t(R + k) / t(R). One fit over all the steps of a
+  bucket, not a time per R: a width drafted rarely gets its time from the whole line, not
+  from its own few noisy steps taken at whatever context they happened at. The tile term
+  is the matmuls' row blocking: on AMX the 17th row of a step costs ~15 % of the step (a
+  second pass of 16-row tiles), the 2nd to 16th ~1 % each; where a CPU has no such steps
+  the fit finds e near 0.
 The rule: with E the tokens a step commits without drafts (one per decoding request) and R
-its rows, the next drafted token, among all requests' candidates the one with the highest
-g, is added while g > E * (t(R + 1) / t(R) - 1): it must add more expected tokens than the
-share of the step's tokens that one more row's time would buy.
+its rows, order the drafted tokens of all requests by their expected gain g (each step
+takes the candidate with the highest next g), then draft the first n of that order, for
+the n that maximises the expected tokens per second (E + g_1 + ... + g_n) / t(R + n); n = 0
+where no draft pays. With a cost linear in the rows this is the marginal rule "add while
+g > (E + G) (t(R + 1) / t(R) - 1)"; over a tile step it drafts a whole tile's worth of
+rows where together they pay, and none where only the first would be bought.
 Exploration: a bin whose first position has been tested fewer than EXPLORE_TRIES times
 drafts one token whatever the bar says, so that a pessimistic prior cannot keep a bin shut
-for good (bounded cost: EXPLORE_TRIES one-row drafts per bin over the engine's life).
-The gate is open for a request when its first drafted token clears the bar. As the batch
+for good (bounded cost: EXPLORE_TRIES one-row drafts per bin over the engine's life), but
+only where that row costs at most EXPLORE_MAX_TOKENS of the step's tokens (E (t(R + 1) /
+t(R) - 1)): never a new tile at batch 16.
+The gate is open for a request when its first drafted token is in the plan. As the batch
 grows, E grows, and speculation switches itself off where rows stop being free.
 """
 from __future__ import annotations
@@ -44,6 +52,8 @@ PRIOR_LATER = 0.7  # prior a_j for j > 1: a lookup that was right so far stays r
 PRIOR_MATCH = 0.6  # the prior's share for a prompt-lookup match (the draft may be wrong
 #                    even where the model is sure)
 EXPLORE_TRIES = 8  # first-position tests per bin before the bar alone decides
+EXPLORE_MAX_TOKENS = 0.5  # an exploring row may cost at most this many of a step's tokens
+TILE_ROWS = 16  # rows per matmul tile (AMX's tile height); the fit's e prices a new tile
 EMA = 0.2  # weight of a new step-time measurement (StepTimes)
 FORGET = 0.99  # RowCost: weight left to a step after each later one (~100 steps' memory)
 MIN_FIT_STEPS = 8  # RowCost: steps measured in a bucket before its fit replaces the prior
@@ -124,33 +134,53 @@ def batch_bucket(requests: int) -> int:
     return max(requests, 1).bit_length()
 
 
+def tiles(rows: int) -> int:
+    return -(-rows // TILE_ROWS)
+
+
+Coef = tuple[float, float, float, float, float]  # a, b, c, d, e
+
+
 @dataclass
 class _LineFit:
-    """Weighted least squares of t = a + b R + c V + d K with exponential forgetting (R
-    rows, V the positions the verify rows attend and K those the requests' own decode rows
-    attend, in thousands): the decayed sums X'X and X't. V and K are apart because the
-    two are not priced alike: a request's first row reads its KV from memory, its verify
-    rows find much of it in cache."""
+    """Weighted least squares of t = a + b R + c V + d K + e ceil(R / TILE_ROWS) with
+    exponential forgetting (R rows, V the positions the verify rows attend and K those the
+    requests' own decode rows attend, in thousands): the decayed sums X'X and X't. V and K
+    are apart because the two are not priced alike: a request's first row reads its KV from
+    memory, its verify rows find much of it in cache."""
 
-    xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
-    xt: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((5, 5)))
+    xt: np.ndarray = field(default_factory=lambda: np.zeros(5))
     steps: int = 0
-    coef: tuple[float, float, float, float] | None = None
+    coef: Coef | None = None
 
     def add(self, rows: int, verify_kilo: float, base_kilo: float, seconds: float) -> None:
-        x = np.array((1.0, float(rows), verify_kilo, base_kilo))
+        x = np.array((1.0, float(rows), verify_kilo, base_kilo, float(tiles(rows))))
         self.xx = FORGET * self.xx + np.outer(x, x)
         self.xt = FORGET * self.xt + x * seconds
         self.steps += 1
         self.coef = self._solve() if self.steps >= MIN_FIT_STEPS else None
 
-    def _solve(self) -> tuple[float, float, float, float] | None:
-        ridge = RIDGE * max(self.xx[0, 0], 1e-12) * np.diag((0.0, 1.0, 1.0, 1.0))
-        try:
-            a, *rest = np.linalg.solve(self.xx + ridge, self.xt).tolist()
-        except np.linalg.LinAlgError:
-            return None
-        return a, *(max(v, 0.0) for v in rest)  # more work never costs less
+    def _solve(self) -> Coef | None:
+        """Least squares with b, c, d, e >= 0 (more work never costs less): where the free
+        solution has a negative one, the most negative is fixed at 0 and the rest solved
+        again. Clamping it after the solve instead leaves the others fitted to compensate
+        for it (a fit at batch 16 read a = 237 ms against steps of 60-80 ms, with d < 0
+        clamped: its rows looked free)."""
+        xx = self.xx + RIDGE * max(self.xx[0, 0], 1e-12) * np.diag((0.0, 1.0, 1.0, 1.0, 1.0))
+        free = list(range(len(self.xt)))
+        while True:
+            try:
+                sol = np.linalg.solve(xx[np.ix_(free, free)], self.xt[free])
+            except np.linalg.LinAlgError:
+                return None
+            worst = min(range(1, len(free)), key=lambda i: sol[i], default=None)
+            if worst is None or sol[worst] >= 0:
+                break
+            del free[worst]
+        coef = np.zeros(len(self.xt))
+        coef[free] = sol
+        return tuple(coef.tolist())
 
 
 class RowCost:
@@ -168,8 +198,8 @@ class RowCost:
             self._fits.setdefault(batch_bucket(requests), _LineFit()).add(
                 rows, verify_attended / 1000.0, attended / 1000.0, seconds)
 
-    def line(self, requests: int) -> tuple[float, float, float, float] | None:
-        """(a, b, c, d) of the bucket of `requests` (seconds; c and d per thousand
+    def line(self, requests: int) -> Coef | None:
+        """(a, b, c, d, e) of the bucket of `requests` (seconds; c and d per thousand
         positions); None before MIN_FIT_STEPS steps."""
         fit = self._fits.get(batch_bucket(requests))
         return None if fit is None else fit.coef
@@ -183,20 +213,21 @@ class RowCost:
 class StepCost:
     """t(R + more) / t(R) for one step; each verify row attends the step's mean context."""
 
-    coef: tuple[float, float, float, float] | None
+    coef: Coef | None
     requests: int
     attended: int
 
     def ratio(self, rows: int, more: int = 1) -> float:
         if self.coef is None:
             return 1.0 + PRIOR_ROW_COST * more / rows
-        a, b, c, d = self.coef
+        a, b, c, d, e = self.coef
         kilo = self.attended / 1000.0
         per_row = b + c * kilo / max(self.requests, 1)
-        base = a + b * rows + c * kilo * (rows - self.requests) / max(self.requests, 1) + d * kilo
+        base = (a + b * rows + c * kilo * (rows - self.requests) / max(self.requests, 1)
+                + d * kilo + e * tiles(rows))
         if base <= 0:  # a line that does not describe this step: the prior
             return 1.0 + PRIOR_ROW_COST * more / rows
-        return 1.0 + per_row * more / base
+        return 1.0 + (per_row * more + e * (tiles(rows + more) - tiles(rows))) / base
 
 
 class AcceptanceModel:
@@ -257,8 +288,9 @@ class Candidate:
 
 def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: StepTimes,
          base_rows: int, base_tokens: int) -> dict[str, int]:
-    """Draft length per request by the threshold rule (see the module docstring);
-    rates[id] = [a_1, a_2, ...], the conditional acceptance of each draft position."""
+    """Draft length per request by the rule of the module docstring; rates[id] = [a_1,
+    a_2, ...], the conditional acceptance of each draft position; `times` prices rows
+    (its ratio(rows, more) = t(rows + more) / t(rows))."""
     k = {c.request_id: 0 for c in candidates}
     if base_rows <= 0:
         return k
@@ -266,21 +298,35 @@ def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: Step
     reach = {c.request_id: 1.0 for c in candidates}  # P(all drafted so far accepted)
     rows, tokens = base_rows, float(base_tokens)
     for c in candidates:
-        if c.explore and limit[c.request_id] > 0:
-            k[c.request_id] = 1
-            reach[c.request_id] = rates[c.request_id][0]
+        rid = c.request_id
+        if (c.explore and limit[rid] > 0
+                and tokens * (times.ratio(rows) - 1.0) <= EXPLORE_MAX_TOKENS):
+            k[rid] = 1
+            reach[rid] = rates[rid][0]
             rows += 1
-            tokens += reach[c.request_id]
+            tokens += reach[rid]
+    # the remaining drafted tokens, best expected gain first
+    order: list[tuple[str, float]] = []
+    kk, r = dict(k), dict(reach)
     while True:
         best, best_gain = None, 0.0
-        for rid, kk in k.items():
-            if kk < limit[rid]:
-                g = reach[rid] * rates[rid][kk]
+        for rid, n in kk.items():
+            if n < limit[rid]:
+                g = r[rid] * rates[rid][n]
                 if g > best_gain:
                     best, best_gain = rid, g
-        if best is None or best_gain <= tokens * (times.ratio(rows) - 1.0):
-            return k
-        k[best] += 1
-        reach[best] = best_gain
-        rows += 1
-        tokens += best_gain
+        if best is None:
+            break
+        order.append((best, best_gain))
+        kk[best] += 1
+        r[best] = best_gain
+    # the prefix of that order with the most expected tokens per unit of step time
+    best_n, best_rate, gained = 0, tokens, tokens
+    for n, (_, g) in enumerate(order, start=1):
+        gained += g
+        rate = gained / times.ratio(rows, n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    for rid, _ in order[:best_n]:
+        k[rid] += 1
+    return k
