@@ -309,6 +309,7 @@ def main() -> None:
                           "llama.cpp's side needs a GGUF file)",
                     quick="4 prompts, 64 tokens, batches 1 and 4, 1 round")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--temperatures", default="0,0.7", help="comma-separated, 0 = greedy")
     ap.add_argument("--workloads", default="xsum,aclsum,code,quote,chat,mixed")
     ap.add_argument("--no-llama-cpp", action="store_true",
                     help="skip llama.cpp's lookup decoding (llama-cpp-python) side by side")
@@ -331,7 +332,7 @@ def main() -> None:
     modes = tuple(a.modes.split(","))
     if modes[0] != "off" or not set(modes) <= set(MODES):
         raise SystemExit(f"--modes must start with off and name modes from {MODES}")
-    temps = (0.0, 0.7)
+    temps = tuple(float(t) for t in a.temperatures.split(","))
     llm = LLM(model=a.model)
     sets = workloads(llm.tokenizer, max(n, max(batches)))
     machine = describe(a.threads)

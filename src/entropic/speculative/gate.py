@@ -162,9 +162,9 @@ class _LineFit:
         self.coef = self._solve() if self.steps >= MIN_FIT_STEPS else None
 
     def _solve(self) -> Coef | None:
-        """Least squares with b, c, d, e >= 0 (more work never costs less): where the free
-        solution has a negative one, the most negative is fixed at 0 and the rest solved
-        again. Clamping it after the solve instead leaves the others fitted to compensate
+        """Least squares with every coefficient >= 0 (more work never costs less, and a
+        step never costs less than nothing): where the free solution has a negative one,
+        the most negative is fixed at 0 and the rest solved again. Clamping it after the solve instead leaves the others fitted to compensate
         for it (a fit at batch 16 read a = 237 ms against steps of 60-80 ms, with d < 0
         clamped: its rows looked free)."""
         xx = self.xx + RIDGE * max(self.xx[0, 0], 1e-12) * np.diag((0.0, 1.0, 1.0, 1.0, 1.0))
@@ -174,7 +174,7 @@ class _LineFit:
                 sol = np.linalg.solve(xx[np.ix_(free, free)], self.xt[free])
             except np.linalg.LinAlgError:
                 return None
-            worst = min(range(1, len(free)), key=lambda i: sol[i], default=None)
+            worst = min(range(len(free)), key=lambda i: sol[i], default=None)
             if worst is None or sol[worst] >= 0:
                 break
             del free[worst]
