@@ -54,8 +54,8 @@ def hf_dir() -> str:
 def _run(vllm_python: str, hf_dir: str, scenario: str, tmp: Path) -> dict:
     out = tmp / f"{scenario}.json"
     script, args = "vllm_runs.py", [scenario]
-    if scenario == "scheduler":  # entropic's scheduler: its own script
-        script, args = "sched_runs.py", []
+    if scenario.startswith("scheduler"):  # entropic's scheduler: its own script
+        script, args = "sched_runs.py", scenario.split("-")[1:]
     proc = subprocess.run([vllm_python, str(ROOT / "tests_vllm" / script), *args, hf_dir,
                            str(out)], env=vllm_env(), capture_output=True, text=True,
                           timeout=900)

@@ -126,3 +126,37 @@ def test_displaced_requests_pause_and_resume_where_they_stopped(run_scenario):
                     and any(r[0] == rid for r in e["resumed"]))
         _, computed, scheduled = next(r for r in back["resumed"] if r[0] == rid)
         assert computed > 0 and scheduled == 1, (rid, back["resumed"])
+
+
+def test_memory_pressure_drops_paused_kv_before_vllm_preempts(run_scenario):
+    """A short pool (sched_runs.PRESSURE_BLOCKS blocks): two greedy counts are paused by two
+    newcomers whose outputs then need the blocks the counts hold. The scheduler drops paused
+    KV, lowest rank first, so that vLLM never preempts a running request itself; a dropped
+    request is recomputed when it returns (none of its tokens computed, its context
+    scheduled again), and the counts end with the same greedy tokens as in the roomy run,
+    where they were paused and resumed."""
+    res = run_scenario("scheduler-pressure")
+    steps = [e for e in res["log"] if e["order"]]
+    dropped = [(e["step"], rid) for e in steps for rid in e["kv_dropped"]]
+    assert dropped, "the short pool never bound: the test checks nothing"
+    for e in steps:
+        assert set(e["preempted"]) <= set(e["displaced"]), e  # no preemption of vLLM's own
+    for step, rid in dropped:
+        assert any(rid in e["displaced"] for e in steps if e["step"] < step)
+        before = next(e for e in steps if e["step"] == step)
+        ranks = [r[0] for r in before["order"]]
+        paused_behind = [r for r in ranks[ranks.index(rid) + 1:]
+                         if any(r in e["displaced"] for e in steps if e["step"] < step)
+                         and not any(r in e["kv_dropped"] for e in steps if e["step"] <= step)
+                         and not any(o[0] == r and o[3] for o in before["order"])]
+        assert not paused_behind, (rid, paused_behind)  # lowest rank dropped first
+        back = next(e for e in steps if e["step"] > step
+                    and any(r[0] == rid for r in e["resumed"]))
+        _, computed, scheduled = next(r for r in back["resumed"] if r[0] == rid)
+        assert computed == 0 and scheduled > 1, (rid, back["resumed"])
+    roomy = {tuple(t["prompt_token_ids"]): t["token_ids"]
+             for t in run_scenario("scheduler")["trace"] if "count" in t["request_id"]}
+    counts = [t for t in res["trace"] if "count" in t["request_id"]]
+    assert len(counts) == 2
+    for t in counts:
+        assert t["token_ids"] == roomy[tuple(t["prompt_token_ids"])], t["request_id"]

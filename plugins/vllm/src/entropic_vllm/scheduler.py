@@ -365,6 +365,7 @@ class EntropicScheduler(Scheduler):
                  len(self.clock.history(v.request_id))] for v in order]
         self._log.write(json.dumps({
             "step": step, "order": rows, "displaced": displaced, "kv_dropped": dropped,
+            "free_blocks": self._num_free_blocks(),  # after vLLM's allocations of this step
             "scheduled": sorted(out.num_scheduled_tokens),
             "new": [r.req_id for r in out.scheduled_new_reqs],
             "preempted": sorted(out.preempted_req_ids or ()),
