@@ -136,6 +136,22 @@ def test_summary_on_hand_made_runs():
     assert d["lo"] <= d["rel"] <= d["hi"]
 
 
+def test_step_time_index_finds_the_run_the_host_slowed():
+    """Three runs of the same step sizes, one of them 1.5x slower at every size and one
+    with more large steps (more work, same speed): only the slow one stands out; a run
+    without recorded steps gets None."""
+    from entropic.bench.ablation_stats import step_time_index
+
+    def steps(scale, sizes):
+        return [[i * 0.1, scale * (0.02 + 0.003 * n), n] for i, n in enumerate(sizes)]
+    usual = [1, 2, 4, 8, 16] * 10
+    idx = step_time_index({"a": steps(1.0, usual), "b": steps(1.5, usual),
+                           "c": steps(1.0, usual + [16] * 40), "d": []})
+    assert idx["b"] == pytest.approx(1.5, rel=0.02)
+    assert idx["a"] == pytest.approx(1.0, rel=0.02) and idx["c"] == pytest.approx(1.0, rel=0.02)
+    assert idx["d"] is None
+
+
 # ---- the harness on the real model ------------------------------------------------------
 @pytest.mark.model
 def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):

@@ -23,6 +23,36 @@ TEXT_KINDS = ("chat", "xsum", "aclsum", "longdoc")
 REF_KINDS = ("xsum", "aclsum", "longdoc")  # those of them with a reference (plays have none)
 
 
+MIN_STEPS_AT_SIZE = 3  # steps a run needs at a batch size for it to enter the index
+
+
+def step_time_index(steps: dict) -> dict:
+    """Per run, how slow its steps were against all runs' steps of the same size: the
+    geometric mean over batch sizes n (running requests) of the run's median step time at
+    n over the median of every run's steps at n, weighted by the run's steps at n. Steps of
+    one size do the same kind of work in every configuration (mostly decodes, whose cost is
+    set by n), so an index well above 1 at equal work says the host ran slow during that
+    run, not that the configuration did more. `steps`: run key -> [[start, seconds, n],
+    ...] as the ablation records them; runs without steps get None."""
+    pooled: dict[int, list[float]] = {}
+    for st in steps.values():
+        for _, sec, n in st:
+            pooled.setdefault(n, []).append(sec)
+    median = {n: float(np.median(v)) for n, v in pooled.items()}
+    out: dict = {}
+    for key, st in steps.items():
+        mine: dict[int, list[float]] = {}
+        for _, sec, n in st:
+            mine.setdefault(n, []).append(sec)
+        logs, weight = 0.0, 0
+        for n, v in mine.items():
+            if len(v) >= MIN_STEPS_AT_SIZE and median[n] > 0:
+                logs += len(v) * np.log(float(np.median(v)) / median[n])
+                weight += len(v)
+        out[key] = float(np.exp(logs / weight)) if weight else None
+    return out
+
+
 @dataclass(frozen=True)
 class Metric:
     """A named function of per-request fields; `better` is +1 (higher), -1 (lower) or 0.
@@ -190,9 +220,12 @@ def summarise(raw: dict, n_boot: int = 1000, seed: int = 0) -> dict:
             sup[c][m.name] = {"s": s_point, "lo": lo, "hi": hi,
                               "gain": float(m.better * change(m, c)),
                               "sum_single": float(sum(m.better * change(m, x) for x in layers))}
+    speeds = step_time_index({(c, r["repeat"]): r.get("steps", []) for c, rs in runs.items()
+                              for r in rs})
     run_facts = {c: [{"repeat": r["repeat"], "makespan": r["makespan"],
                       "output_tok_s_makespan": sum(x["n_tokens"] for x in r["records"]) /
                       r["makespan"], "engine": r["engine"],
+                      "step_time_index": speeds.get((c, r["repeat"])),
                       "steps": r.get("steps", [])} for r in rs]
                  for c, rs in runs.items()}
     return {"metrics": {m.name: {"label": m.label, "better": m.better, "relative": m.relative}

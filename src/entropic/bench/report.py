@@ -117,12 +117,17 @@ def markdown(raw: dict, summary: dict) -> str:
             extra = ", ".join(f"{k} {v:,.0f}" for k, v in e.items()
                               if "block" in k or "prun" in k or "evict" in k
                               or k.startswith("spec_"))
+            speed = r.get("step_time_index")
             run_rows.append([c, str(r["repeat"]), f"{r['makespan']:.1f}",
                              f"{r['output_tok_s_makespan']:.1f}",
+                             "-" if speed is None else f"{speed:.2f}",
                              f"{e.get('preemptions', float('nan')):.0f}", extra or "-"])
-    parts.append("### Runs\n\n" + _table(["config", "repeat", "makespan (s)",
-                                          "output tok/s over makespan", "preemptions",
-                                          "pruning and speculation counters"], run_rows))
+    parts.append("### Runs\n\nStep-time index: the run's median step time per batch size "
+                 "over all runs' at that size (geometric mean over sizes); well above 1 at "
+                 "equal work, the host ran slow during that run.\n\n"
+                 + _table(["config", "repeat", "makespan (s)", "output tok/s over makespan",
+                           "step-time index", "preemptions",
+                           "pruning and speculation counters"], run_rows))
     return "\n\n".join(parts) + "\n"
 
 
@@ -153,7 +158,8 @@ def load_raw(out_dir: str | Path) -> dict:
     saved = json.loads((out / "ablation.json").read_text())
     raw = dict(saved["meta"])
     runs = {c: [{"repeat": r["repeat"], "makespan": r["makespan"], "engine": r["engine"],
-                 "records": []} for r in rs] for c, rs in saved["runs"].items()}
+                 "steps": r.get("steps", []), "records": []} for r in rs]
+            for c, rs in saved["runs"].items()}
     with open(out / "ablation_outputs.jsonl", encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
