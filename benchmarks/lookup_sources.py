@@ -1,6 +1,6 @@
 """Would drafts from other requests' text add to prompt lookup? An offline count.
 
-    python benchmarks/lookup_sources.py [--n 16] [--max-tokens 128] [--out results/lookup_sources.json]
+    python benchmarks/lookup_sources.py [--n 16] [--max-tokens 128] [--out FILE]
 
 Generates greedy outputs for the five workloads of benchmarks/speculative.py (n prompts
 each, interleaved: xsum, aclsum, code, quote, chat, xsum, ...), then replays each output
@@ -18,16 +18,14 @@ the count says how many more tokens a step could commit, the upper bound of the 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speculative as spec  # the speculation benchmark's workloads and engine (same folder)
+import torch
 
-import speculative as spec  # noqa: E402  (the workloads and engine of the speculation benchmark)
-
-from entropic import LLM  # noqa: E402
-from entropic.speculative.ngram import NgramProposer  # noqa: E402
+from entropic import LLM
+from entropic.bench.machine import add_common_args, describe, write_json
+from entropic.speculative.ngram import NgramProposer
 
 K = 8
 SHARED_MAX = 5
@@ -74,17 +72,20 @@ def replay(prompts: list[list[int]], outs: list[list[int]], shared_min: int | No
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(ap, out=str(Path(__file__).resolve().parent / "results"
+                                / "lookup_sources.json"), quick=None)
     ap.add_argument("--n", type=int, default=16, help="prompts per workload (at most 16)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", default="results/lookup_sources.json")
     a = ap.parse_args()
-    llm = LLM()
+    torch.set_num_threads(a.threads)
+    llm = LLM(model=a.model)
     sets = spec.workloads(llm.tokenizer, a.n)
     names = [k for k in sets if k != "mixed"]
     prompts = [sets[names[i % len(names)]][i // len(names)] for i in range(a.n * len(names))]
     engine = spec.make_engine(llm, "off", 8, K)
     outs = spec.run_set(engine, prompts, 0.0, a.max_tokens)["ids"]
-    result = {"workloads": names, "n": a.n, "max_tokens": a.max_tokens, "k": K,
+    result = {"machine": describe(a.threads), "workloads": names, "n": a.n,
+              "max_tokens": a.max_tokens, "k": K,
               "own": replay(prompts, outs, None),
               "own+shared(2..5)": replay(prompts, outs, 2),
               "own+shared(3..5)": replay(prompts, outs, 3)}
@@ -93,10 +94,7 @@ def main() -> None:
         print(f"{name:18} tokens/forward {r['tokens_per_forward']:.3f}  drafted {r['drafted']:6d}"
               f"  accepted {r['accepted']:5d}  from the shared table: {r['shared_drafted']:5d}"
               f" drafted, {r['shared_accepted']:4d} accepted")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print("wrote", out)
+    write_json(a.out, result)
 
 
 if __name__ == "__main__":
