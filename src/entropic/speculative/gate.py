@@ -57,7 +57,7 @@ TILE_ROWS = 16  # rows per matmul tile (AMX's tile height); the fit's e prices a
 EMA = 0.2  # weight of a new step-time measurement (StepTimes)
 FORGET = 0.99  # RowCost: weight left to a step after each later one (~100 steps' memory)
 MIN_FIT_STEPS = 8  # RowCost: steps measured in a bucket before its fit replaces the prior
-RIDGE = 1e-3  # RowCost: pull of b and c towards 0, relative to the intercept's scale
+RIDGE = 1e-3  # RowCost: pull of b, c, d and e towards 0, relative to the intercept's scale
 MAX_ROWS_TRACKED = 256
 # Before a step with more rows has been measured: one more row costs this share of a row
 # measured so far (a weight-streaming-bound decode step is nearly free to widen).
@@ -135,6 +135,7 @@ def batch_bucket(requests: int) -> int:
 
 
 def tiles(rows: int) -> int:
+    """Matmul row tiles a step of `rows` rows takes: ceil(rows / TILE_ROWS)."""
     return -(-rows // TILE_ROWS)
 
 
@@ -164,9 +165,10 @@ class _LineFit:
     def _solve(self) -> Coef | None:
         """Least squares with every coefficient >= 0 (more work never costs less, and a
         step never costs less than nothing): where the free solution has a negative one,
-        the most negative is fixed at 0 and the rest solved again. Clamping it after the solve instead leaves the others fitted to compensate
-        for it (a fit at batch 16 read a = 237 ms against steps of 60-80 ms, with d < 0
-        clamped: its rows looked free)."""
+        the most negative is fixed at 0 and the rest solved again. Clamping it after the
+        solve instead leaves the others fitted to compensate for it (a fit at batch 16
+        read a = 237 ms against steps of 60-80 ms, with d < 0 clamped: its rows looked
+        free)."""
         xx = self.xx + RIDGE * max(self.xx[0, 0], 1e-12) * np.diag((0.0, 1.0, 1.0, 1.0, 1.0))
         free = list(range(len(self.xt)))
         while True:
@@ -185,7 +187,8 @@ class _LineFit:
 
 class RowCost:
     """What one more verify row costs: per batch-size bucket, the line
-    t = a + b R + c V + d K fitted to the bucket's pure decode steps (module docstring)."""
+    t = a + b R + c V + d K + e ceil(R / TILE_ROWS) fitted to the bucket's pure decode
+    steps (module docstring)."""
 
     def __init__(self) -> None:
         self._fits: dict[int, _LineFit] = {}
@@ -286,8 +289,8 @@ class Candidate:
     explore: bool = False  # its bin is still being explored: draft at least one token
 
 
-def plan(candidates: list[Candidate], rates: dict[str, list[float]], times: StepTimes,
-         base_rows: int, base_tokens: int) -> dict[str, int]:
+def plan(candidates: list[Candidate], rates: dict[str, list[float]],
+         times: StepTimes | StepCost, base_rows: int, base_tokens: int) -> dict[str, int]:
     """Draft length per request by the rule of the module docstring; rates[id] = [a_1,
     a_2, ...], the conditional acceptance of each draft position; `times` prices rows
     (its ratio(rows, more) = t(rows + more) / t(rows))."""
