@@ -35,7 +35,8 @@ ROOT = HERE.parents[1]
 def child(a) -> None:
     """Load one peer, say "ready", then serve one batch per line read (N) and print tok/s."""
     peer = peers.CHILD[a.child](argparse.Namespace(model=a.model, threads=a.threads,
-                                                   n_ctx=a.n_ctx))
+                                                   n_ctx=a.n_ctx,
+                                                   no_extra_bufts=a.no_extra_bufts))
     work = json.loads(Path(a.work).read_text())
     peer.batch(work["prompts"][:2], 4)  # warm-up
     print("ready", flush=True)
@@ -47,6 +48,8 @@ def spawn(name: str, a, work_file: str) -> subprocess.Popen:
     python, model, env = peers.child_setup(name, a)  # peers.py's interpreter, model, env
     cmd = [python, str(HERE), "--child", name, "--work", work_file, "--threads", str(a.threads),
            "--new-tokens", str(a.new_tokens), "--n-ctx", str(a.n_ctx), "--model", str(model)]
+    if a.no_extra_bufts:
+        cmd.append("--no-extra-bufts")
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)  # its own group: frozen and killed whole
@@ -87,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     model="GGUF path (default: the embedded model)", quick=None)
     ap.add_argument("--emulate-isa", choices=sorted(peers.EMULATE_ISA),
                     help="as in benchmarks/peers.py: every library capped at this ISA")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="as in benchmarks/peers.py: llama.cpp without its extra buffer types")
     ap.add_argument("--child", choices=peers.PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

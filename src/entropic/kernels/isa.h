@@ -114,6 +114,10 @@ struct Kernels {
   // int8: ws is m_rows * (k + 1) floats
   void (*int8_prepare)(const Int8Args& a, float* ws);
   void (*int8_cols)(const Int8Args& a, const float* ws, int64_t n_begin, int64_t n_end);
+  // what the int4 and int8 linears multiply the codes with: "bf16" (the activations as
+  // given) or "int16" (each group of 32 rounded to int16 with its own scale); null where
+  // there are none
+  const char* quant_activations;
   // prefill attention: bytes per packed K (or V) element; pack one block of 64 keys of one
   // KV head; one work item (query block qb x KV head g), ws prefill_ws_floats floats
   int64_t prefill_elem_bytes;

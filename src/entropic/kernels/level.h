@@ -52,10 +52,10 @@ const Kernels* ENTROPIC_LEVEL_GETTER() {
       &logit_stats_row,
       &tempered_entropy_row,
 #if defined(ENTROPIC_SIMD)
-      &int4_prepare, &int4_cols, &int8_prepare, &int8_cols,
+      &int4_prepare, &int4_cols, &int8_prepare, &int8_cols, kQuantActivations,
       kPfElemBytes, &pf_pack_block, &pf_item,
 #else
-      nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr,
+      nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr,
 #endif
   };
   return &k;

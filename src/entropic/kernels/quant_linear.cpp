@@ -8,9 +8,13 @@
 //   int8_linear(x, codes, scale) -> y
 //     w = scale * (c - 128), c = q + 128 in 0..255 stored as a byte, in tiles of 4 columns
 //   int4_linear_supported() -> bool           whether the level in use has them (AVX2 or better)
+//   quant_activations() -> str                "bf16" where both multiply the activations as
+//                                             given, "int16" where they round each group of
+//                                             32 to int16 first (avx2), "none" (generic)
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +36,10 @@ void over_column_blocks(int64_t m_rows, int64_t n_cols, Cols&& cols) {
 }
 
 bool int4_linear_supported() { return active().int4_cols != nullptr; }
+std::string quant_activations() {
+  const char* f = active().quant_activations;
+  return f ? f : "none";
+}
 
 // The activation checks both quantized linears share; returns in_features.
 int64_t check_activations(const at::Tensor& x, const char* op) {
@@ -103,6 +111,7 @@ TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset128) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("int4_linear_supported() -> bool", &int4_linear_supported);
+  m.def("quant_activations() -> str", &quant_activations);
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {

@@ -8,17 +8,26 @@
 // pairs (elements 2i, 2i + 1); the extra 128 * scale is taken off the offset at load time
 // (offset128), and the offsets meet the activations' group sums.
 // - avx512bf16: one VDPBF16PS per group (a nibble becomes the bf16 128 + q with one OR);
-// - avx512, avx2: the same fused multiply-adds one by one in fp32 (a nibble becomes the
-//   fp32 128 + q with a shift and an OR), in VDPBF16PS's order, so the three levels agree
-//   where the CPU's VDPBF16PS rounds as Intel documents (and without denormals).
+// - avx512: the same fused multiply-adds one by one in fp32 (a nibble becomes the fp32
+//   128 + q with a shift and an OR), in VDPBF16PS's order, so the levels agree where the
+//   CPU's VDPBF16PS rounds as Intel documents (and without denormals);
+// - avx2: integer dot products against activations rounded to int16 per group of 32
+//   (below), so it differs from the others by that rounding (at most 2^-16 of a group's
+//   largest value).
 // int8: w = scale * (c - 128), c in 0..255.
 // - avx512bf16: bytes split into nibbles lo + 16 hi, each an exact bf16 128 + nibble, the
 //   high one against 16 x (exact): acc = sum c x + 2176 sum x, y = scale (acc - 2304 sum x);
-// - avx512, avx2: c in fp32 (exact) against x in fp32, element j in lane j % 16:
+// - avx512: c in fp32 (exact) against x in fp32, element j in lane j % 16:
 //   y = scale (sum c x - 128 sum x). (Emulating the nibble split would cost twice the work
-//   on these levels; so int8 rounds differently there, by fp32 sums' rounding.)
+//   on this level; so int8 rounds differently there, by fp32 sums' rounding.)
+// - avx2: integer dot products against activations rounded to int16 per group of 32.
 
 constexpr int64_t kPrefetchBytes = 1024;
+#if defined(ENTROPIC_SIMD_AVX2)
+constexpr const char* kQuantActivations = "int16";  // rounded per group of 32 (below)
+#else
+constexpr const char* kQuantActivations = "bf16";  // as given
+#endif
 
 template <int MaxRows, typename Tile>
 void over_row_tiles(int64_t m_rows, int64_t n_begin, int64_t n_end, Tile&& tile) {
@@ -191,6 +200,150 @@ void int8_cols(const Int8Args& a, const float* ws, int64_t n_begin, int64_t n_en
 // Rows per register tile: 4 x 4 accumulators on AVX-512 (32 registers), 2 x 4 on AVX2 (16).
 constexpr int kQuantRowTile = W == 16 ? 4 : 2;
 
+#if defined(ENTROPIC_SIMD_AVX2)
+
+// int4 at AVX2: integer dot products. Each activation group of 32 is rounded to int16 with
+// its own scale (dx = max|x| / 32767, xq = round-half-even(x / dx): an error of at most
+// 2^-16 of the group's largest value); the 4-bit codes, widened to 16 bits, meet xq through
+// VPMADDWD (16 products and pair sums an instruction, exact in int32), and each group's
+// int32 sums are scaled by scale * dx in fp32. The offsets meet the exact fp32 group sums
+// of x, as at the other levels. fp32 FMA on 8 lanes (the avx512 code at half width) was
+// bound by its arithmetic here, not by the bytes of the codes: it spent ~25 instructions
+// on 32 products, this ~8 (docs/performance.md). 8-bit activations (VPMADDUBSW, as
+// llama.cpp's Q8 dot products) would halve the products again but cost fidelity: top-1
+// agreement with fp32 0.92 instead of 0.97 on the embedded model.
+// A group whose sum is not finite gets dx = NaN, so a NaN or an infinity in x reaches y.
+// int8 rounds its activations the same way (below).
+//
+// ws = [xsum: m * groups][dx: m * groups][xq: m * groups * 32 int16]
+
+inline float* int4_dx(const Int4Args& a, float* ws) { return ws + a.m_rows * a.groups; }
+inline int16_t* int4_xq(const Int4Args& a, float* ws) {
+  return reinterpret_cast<int16_t*>(ws + 2 * a.m_rows * a.groups);
+}
+
+// One group of 32 activations to int16: dx = max|x| / 32767 and xq = round-half-even(x / dx),
+// in order; dx = 0 (xq = 0) for a group of zeros, NaN where the group's sum is not finite.
+inline void quantize_group32(const bf16_bits* x, float* dx, int16_t* xq) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  V v[4];
+  for (int i = 0; i < 4; ++i) v[i] = vload(x + i * 8);
+  const V amax = vmax(vmax(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      vmax(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  alignas(32) float lanes[8];
+  vstore(lanes, amax);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  // (max drops NaNs, a sum keeps them and infinities)
+  if (!std::isfinite(reduce8(vadd(vadd(v[0], v[1]), vadd(v[2], v[3]))))) {
+    *dx = std::numeric_limits<float>::quiet_NaN();
+  } else if (mx == 0.f) {
+    *dx = 0.f;
+  } else {
+    const float d = mx / 32767.f;
+    *dx = d;
+    const V dv = vset(d);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(vround(vdiv(v[i], dv)));
+    // packs work within 128-bit halves; the permutation puts the 16 numbers back in order
+    lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 16), hi);
+}
+
+void int4_prepare(const Int4Args& a, float* ws) {
+  int4_group_sums(a, ws);
+  float* dx = int4_dx(a, ws);
+  int16_t* xq = int4_xq(a, ws);
+  for (int64_t m = 0; m < a.m_rows; ++m)
+    for (int64_t g = 0; g < a.groups; ++g)
+      quantize_group32(a.x + m * a.x_stride + g * 32, dx + m * a.groups + g,
+                       xq + (m * a.groups + g) * 32);
+}
+
+// One group's 32 products of 16-bit codes (c0: elements 0-15, c1: 16-31) with xg, as fp32
+inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
+  const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+  const __m256i p1 =
+      _mm256_madd_epi16(c1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+}
+
+template <int MT>
+void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
+  constexpr int NT = kColTile;
+  const float* xsum = ws;
+  const float* dx = ws + a.m_rows * a.groups;
+  const int16_t* xq = reinterpret_cast<const int16_t*>(ws + 2 * a.m_rows * a.groups);
+  const __m256i low4 = _mm256_set1_epi16(0x000f);
+  __m256 acc[NT][MT];
+  __m128 off[MT];  // the 4 columns' sum over groups of scale * xsum (times 128 at the end)
+  for (int c = 0; c < NT; ++c)
+    for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
+  for (int t = 0; t < MT; ++t) off[t] = _mm_setzero_ps();
+  const int64_t tile = n0 / NT;
+  const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
+  const float* sb = a.scale + tile * a.groups * NT;
+  for (int64_t g = 0; g < a.groups; g += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes),
+                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes + 64),
+                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sb + g * NT) + kPrefetchBytes / 4, _MM_HINT_T0);
+    const bool pair = g + 1 < a.groups;
+    const __m128 sw0 = _mm_loadu_ps(sb + g * NT);
+    const __m128 sw1 = pair ? _mm_loadu_ps(sb + (g + 1) * NT) : _mm_setzero_ps();
+    __m256 dx0[MT], dx1[MT];
+    for (int t = 0; t < MT; ++t) {
+      const int64_t at = (m0 + t) * a.groups + g;
+      dx0[t] = _mm256_broadcast_ss(dx + at);
+      dx1[t] = pair ? _mm256_broadcast_ss(dx + at + 1) : _mm256_setzero_ps();
+      off[t] = _mm_fmadd_ps(sw0, _mm_set1_ps(xsum[at]), off[t]);
+      if (pair) off[t] = _mm_fmadd_ps(sw1, _mm_set1_ps(xsum[at + 1]), off[t]);
+    }
+#pragma GCC unroll 4  // the accumulators stay in registers only if c and t are constants
+    for (int c = 0; c < NT; ++c) {
+      // byte j: element j of group g in the low nibble, of group g + 1 in the high one;
+      // widened to 16 bits, the low nibble is (u & 15), the high one u >> 4
+      const uint8_t* run = cb + (g / 2 * NT + c) * 32;
+      const __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
+      const __m256i u1 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16)));
+      const __m256i a0 = _mm256_and_si256(u0, low4), a1 = _mm256_and_si256(u1, low4);
+      const __m256i b0 = _mm256_srli_epi16(u0, 4), b1 = _mm256_srli_epi16(u1, 4);
+#pragma GCC unroll 4
+      for (int t = 0; t < MT; ++t) {
+        // (the scale of column c broadcast from the weights' own array: a copy of it made
+        // in this loop would be read back through store forwarding, which stalled here)
+        const int16_t* xg = xq + ((m0 + t) * a.groups + g) * 32;
+        acc[c][t] = _mm256_fmadd_ps(
+            dot_group16(a0, a1, xg),
+            _mm256_mul_ps(_mm256_broadcast_ss(sb + g * NT + c), dx0[t]), acc[c][t]);
+        if (pair)
+          acc[c][t] = _mm256_fmadd_ps(
+              dot_group16(b0, b1, xg + 32),
+              _mm256_mul_ps(_mm256_broadcast_ss(sb + (g + 1) * NT + c), dx1[t]), acc[c][t]);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) {
+    alignas(16) float o[NT];
+    _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
+    for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {  // padding columns are not stored
+      const float v = reduce8(acc[c][t]) + o[c] +
+                      offsets_dot(a.offset + (n0 + c) * a.groups, xsum + (m0 + t) * a.groups,
+                                  a.groups);
+      bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
+      store(out, round_to(v, out));
+    }
+  }
+}
+
+#else  // avx512: fp32 FMA, in VDPBF16PS's order
+
 // ws = [xsum: m * groups][x: m * groups * 32 fp32, each group's even elements, then its odd]
 void int4_prepare(const Int4Args& a, float* ws) {
   int4_group_sums(a, ws);
@@ -267,11 +420,69 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   }
 }
 
+#endif
+
 void int4_cols(const Int4Args& a, const float* ws, int64_t n_begin, int64_t n_end) {
   over_row_tiles<kQuantRowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
     int4_tile<decltype(mt)::value>(a, ws, m0, n0);
   });
 }
+
+#if defined(ENTROPIC_SIMD_AVX2)
+
+// int8 at AVX2: the activations rounded to int16 per group of 32 as for int4; a code c
+// meets them as the 16-bit number c - 128 (VPMADDWD, exact).
+// ws = [dx: m * k / 32][xq: m * k int16]
+void int8_prepare(const Int8Args& a, float* ws) {
+  const int64_t groups = a.k / 32;
+  int16_t* xq = reinterpret_cast<int16_t*>(ws + a.m_rows * groups);
+  for (int64_t m = 0; m < a.m_rows; ++m)
+    for (int64_t g = 0; g < groups; ++g)
+      quantize_group32(a.x + m * a.x_stride + g * 32, ws + m * groups + g,
+                       xq + (m * groups + g) * 32);
+}
+
+template <int MT>
+void int8_tile(const Int8Args& a, const float* ws, int64_t m0, int64_t n0) {
+  constexpr int NT = kColTile;
+  const int64_t k = a.k, groups = k / 32;
+  const float* dx = ws;
+  const int16_t* xq = reinterpret_cast<const int16_t*>(ws + a.m_rows * groups);
+  const __m256i bias = _mm256_set1_epi16(128);
+  __m256 acc[NT][MT];
+  for (int c = 0; c < NT; ++c)
+    for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
+  const uint8_t* cb = a.codes + (n0 / NT) * NT * k;
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(cb + g * NT * 32 + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(cb + g * NT * 32 + kPrefetchBytes + 64),
+                 _MM_HINT_T0);
+#pragma GCC unroll 4  // (as in int4_tile)
+    for (int c = 0; c < NT; ++c) {
+      const uint8_t* run = cb + (g * NT + c) * 32;
+      const __m256i w0 = _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run))), bias);
+      const __m256i w1 = _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16))),
+          bias);
+#pragma GCC unroll 4
+      for (int t = 0; t < MT; ++t) {
+        const int64_t at = (m0 + t) * groups + g;
+        acc[c][t] = _mm256_fmadd_ps(dot_group16(w0, w1, xq + at * 32),
+                                    _mm256_broadcast_ss(dx + at), acc[c][t]);
+      }
+    }
+  }
+  for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {
+    for (int t = 0; t < MT; ++t) {
+      const float v = a.scale[n0 + c] * reduce8(acc[c][t]);
+      bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
+      store(out, round_to(v, out));
+    }
+  }
+}
+
+#else  // avx512: fp32 FMA
 
 // ws = [xsum: m][x: m * k fp32]
 void int8_prepare(const Int8Args& a, float* ws) {
@@ -326,6 +537,8 @@ void int8_tile(const Int8Args& a, const float* ws, int64_t m0, int64_t n0) {
     }
   }
 }
+
+#endif
 
 void int8_cols(const Int8Args& a, const float* ws, int64_t n_begin, int64_t n_end) {
   over_row_tiles<kQuantRowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
