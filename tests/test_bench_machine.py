@@ -2,6 +2,8 @@
 import argparse
 import json
 
+import pytest
+
 from entropic.bench import machine
 
 
@@ -56,3 +58,30 @@ def test_benchmarks_share_the_helpers_and_leave_sys_path_alone():
         # run in vLLM's venv with vLLM's own arguments (a positional HF directory)
         if f.name not in ("vllm_plugin_overhead.py", "vllm_pruning.py"):
             assert "add_common_args(" in text, f"{f.name} has its own --threads/--out"
+
+
+def test_alternating_children_get_every_option_their_peer_reads(monkeypatch, tmp_path):
+    """peers_alternating.py builds each child's options itself: llama.cpp's peer reads
+    no_extra_bufts, which the child once lacked (every llama.cpp child died at load)."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import peers
+    import peers_alternating
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, a):
+            seen.append(a)
+            raise Stop
+
+    monkeypatch.setitem(peers.CHILD, "llama.cpp", Recorder)
+    for extra, want in (([], False), (["--no-extra-bufts"], True)):
+        a = peers_alternating.parse_args(["--child", "llama.cpp", "--work", str(tmp_path / "w"),
+                                          "--model", "m.gguf", *extra])
+        with pytest.raises(Stop):
+            peers_alternating.child(a)
+        assert seen[-1].no_extra_bufts is want and seen[-1].model == "m.gguf"
