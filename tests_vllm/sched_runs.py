@@ -39,7 +39,11 @@ SHORTS = ["Hi", "Count: 1, 2,", "Red, green,", "The cat", "Once upon a", "2 + 2 
 # ... and at the end, after the stream has drained, two greedy requests that count (entropy
 # near 0, so the lowest pi), then two short ones arriving while both count: they displace
 # them (pauses, the counts resume where they stopped)
-TRACE = ([(0, "t00-short", "The weather today", 10), (0, "t01-long", LONG, 12),
+# The long prompt comes two iterations after the first two short ones, when they hold both
+# slots: a request reaches vLLM's engine core (another process) when the core reads it, and
+# one added in the same iteration as others was seen a step late on an AMD EPYC, where the
+# long prompt then took the slot the late short one would have had, and never needed aging.
+TRACE = ([(0, "t00-short", "The weather today", 10), (2, "t01-long", LONG, 12),
           (0, "t02-short", "My favourite colour", 10)]
          + [(3 + 4 * i, f"t{i + 3:02d}-short", p, 8) for i, p in enumerate(SHORTS)]
          + [(64, "t13-count", "A, B, C, D, E, F, G, H, I, J, K,", 24),
