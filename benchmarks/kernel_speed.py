@@ -20,7 +20,8 @@ implementations alternating call by call so that machine noise hits both alike:
   same number of bytes as the memory floor;
 - the int8 lm_head (49152 x 576): entropic's int8 kernel against torch's
   (`_weight_int8pack_mm`).
-The quantized kernels need avx512_bf16; without it those rows are skipped with a message.
+The quantized kernels and prefill attention need AVX2 or better (the native level in use,
+`entropic.kernels.isa()`); at the generic level those rows are skipped with a message.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def prefill_rows(repeats: int) -> list[dict]:
     import torch.nn.functional as F
     ops = torch.ops.entropic
     if not ops.prefill_attention_supported():
-        print("prefill attention: skipped (needs a CPU with avx512_bf16)")
+        print("prefill attention: skipped (the generic level has none: it needs AVX2 or better)")
         return []
     gen = torch.Generator().manual_seed(2)
     out = []
@@ -168,7 +169,7 @@ def quantized_rows(repeats: int) -> list[dict]:
     from entropic.model.linear import Int4Linear, Int8Linear, NativeInt4Linear, NativeInt8Linear
     from entropic.model.quant import quantize_int4
     if not torch.ops.entropic.int4_linear_supported():
-        print("quantized kernels skipped: this CPU has no avx512_bf16")
+        print("quantized kernels skipped: the generic level has none (they need AVX2 or better)")
         return []
     gen = torch.Generator().manual_seed(2)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -6,7 +6,10 @@
 
 Peers (each measured in its own subprocess, so that peak RSS, thread pools and allocator state
 are its own; the parent only builds the workload and the table):
-- ours: `entropic.LLM`, bf16 (the GGUF dequantized), continuous batching.
+- ours: `entropic.LLM` with the dtype a user gets, `dtype="auto"` (bf16 where the CPU has
+  bf16 arithmetic, float32 elsewhere; the GGUF dequantized), floats (64 running requests,
+  where `quantization="auto"` keeps floats too), continuous batching. The JSON records
+  the dtype chosen.
 - ours-int4: the same with `quantization="int4"`: the projections run on the GGUF's own Q4_1
   codes (torch's weight-only int4 CPU kernel), lm_head int8, activations bf16.
 - ours-int8: `quantization="int8"` (per-channel int8 weights requantized from the GGUF).
@@ -77,7 +80,7 @@ OURS = ("ours", "ours-int4", "ours-int8", "ours-fp32", "ours-torchops", "ours-in
 # ---------------------------------------------------------------- child side: one peer
 class _OursPeer:
     quantization = None
-    dtype = "bfloat16"
+    dtype = "auto"  # what LLM() picks for this CPU (was "bfloat16": emulated on AVX2 CPUs)
     kernels = "native"
 
     def __init__(self, a):

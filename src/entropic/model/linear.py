@@ -181,9 +181,11 @@ class NativeInt4Linear(Linear):
     """y = x @ W.T (+ bias) with W in 4-bit groups of 32, through entropic's own kernel
     (`entropic.int4_linear`, CPUs with AVX2 or better): the codes are exact bf16 numbers, so
     a group is one dot product with exact products and fp32 sums (one AVX512-BF16 instruction,
-    or the same fused multiply-adds in fp32); scale and offset stay fp32 (a GGUF's fp16 values
-    exactly). Each output is summed in a fixed order, so a row's result does not depend on
-    the other rows of the call."""
+    or the same fused multiply-adds in fp32 on AVX-512 without bf16); at the AVX2 level the
+    codes meet the activations rounded to int16 per group of 32 in exact integer dot products
+    (`torch.ops.entropic.quant_activations()` says which). Scale and offset stay fp32 (a
+    GGUF's fp16 values exactly). Each output is summed in a fixed order, so a row's result
+    does not depend on the other rows of the call."""
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
         n, k = blocks.shape
@@ -216,8 +218,9 @@ class NativeInt8Linear(Linear):
     """y = x @ W.T (+ bias) with W as int8 per output channel (`quantize_int8`), through
     entropic's kernel (`entropic.int8_linear`, CPUs with AVX2 or better): the products are
     exact (with avx512_bf16 each byte is split into two nibbles that are exact bf16 numbers;
-    below it a byte is an fp32 number) and summed in fp32 in a fixed order (a row's result
-    does not depend on the other rows of the call)."""
+    on AVX-512 without it a byte is an fp32 number; at the AVX2 level an int16 against the
+    activations rounded to int16 per group of 32) and summed in a fixed order (a row's
+    result does not depend on the other rows of the call)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = n, k = weight.shape
