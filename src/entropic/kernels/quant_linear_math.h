@@ -44,6 +44,16 @@ void over_row_tiles(int64_t m_rows, int64_t n_begin, int64_t n_end, Tile&& tile)
   }
 }
 
+// An int4 tile streams from memory: ask for the codes and scales of the group pair at g a
+// few pairs ahead.
+inline void prefetch_int4_pair(const uint8_t* cb, const float* sb, int64_t g) {
+  const char* codes = reinterpret_cast<const char*>(cb + (g / 2 * kColTile) * 32);
+  _mm_prefetch(codes + kPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(codes + kPrefetchBytes + 64, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sb + g * kColTile) + kPrefetchBytes / 4,
+               _MM_HINT_T0);
+}
+
 // The offsets against the group sums, 16 groups at a time (a scalar chain of one fma per
 // group cost ~as much as the codes' dot products at batch 1).
 inline float offsets_dot(const float* on, const float* xs, int64_t groups) {
@@ -86,12 +96,7 @@ void int4_tile(const Int4Args& a, const float* xsum, int64_t m0, int64_t n0) {
   const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
   const float* sb = a.scale + tile * a.groups * NT;
   for (int64_t g = 0; g < a.groups; g += 2) {
-    // the tile streams from memory: ask for its data a few pairs ahead
-    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes),
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes + 64),
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sb + g * NT) + kPrefetchBytes / 4, _MM_HINT_T0);
+    prefetch_int4_pair(cb, sb, g);
     __m512bh w0[NT], w1[NT];
     for (int c = 0; c < NT; ++c) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
@@ -288,11 +293,7 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
   const float* sb = a.scale + tile * a.groups * NT;
   for (int64_t g = 0; g < a.groups; g += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes),
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes + 64),
-                 _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sb + g * NT) + kPrefetchBytes / 4, _MM_HINT_T0);
+    prefetch_int4_pair(cb, sb, g);
     const bool pair = g + 1 < a.groups;
     const __m128 sw0 = _mm_loadu_ps(sb + g * NT);
     const __m128 sw1 = pair ? _mm_loadu_ps(sb + (g + 1) * NT) : _mm_setzero_ps();
@@ -377,14 +378,7 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
     for (int c = 0; c < NT; ++c)
       for (int t = 0; t < MT; ++t) acc[c][t] = vzero();
     for (int64_t g = 0; g < a.groups; g += 2) {
-      if (h == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes),
-                     _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(cb + (g / 2 * NT) * 32 + kPrefetchBytes + 64),
-                     _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(sb + g * NT) + kPrefetchBytes / 4,
-                     _MM_HINT_T0);
-      }
+      if (h == 0) prefetch_int4_pair(cb, sb, g);
       const bool pair = g + 1 < a.groups;
       for (int c = 0; c < NT; ++c) {
         // lane i: bytes 2i (low) and 2i + 1; low nibbles group g, high nibbles group g + 1
