@@ -213,18 +213,25 @@ constexpr int kQuantRowTile = W == 16 ? 4 : 2;
 // VPMADDWD (16 products and pair sums an instruction, exact in int32), and each group's
 // int32 sums are scaled by scale * dx in fp32. The offsets meet the exact fp32 group sums
 // of x, as at the other levels. fp32 FMA on 8 lanes (the avx512 code at half width) was
-// bound by its arithmetic here, not by the bytes of the codes: it spent ~25 instructions
-// on 32 products, this ~8 (docs/performance.md). 8-bit activations (VPMADDUBSW, as
-// llama.cpp's Q8 dot products) would halve the products again but cost fidelity: top-1
-// agreement with fp32 0.92 instead of 0.97 on the embedded model.
+// bound by its arithmetic here, not by the bytes of the codes: by count ~25 instructions
+// for 32 products, this ~8; measured, a fifth off the time (docs/performance.md).
+// 8-bit activations (VPMADDUBSW, as llama.cpp's Q8 dot products) would halve the products
+// again but cost fidelity: top-1 agreement with fp32 0.92 instead of 0.97 on the
+// embedded model.
 // A group whose sum is not finite gets dx = NaN, so a NaN or an infinity in x reaches y.
 // int8 rounds its activations the same way (below).
 //
 // ws = [xsum: m * groups][dx: m * groups][xq: m * groups * 32 int16]
 
 inline float* int4_dx(const Int4Args& a, float* ws) { return ws + a.m_rows * a.groups; }
+inline const float* int4_dx(const Int4Args& a, const float* ws) {
+  return ws + a.m_rows * a.groups;
+}
 inline int16_t* int4_xq(const Int4Args& a, float* ws) {
   return reinterpret_cast<int16_t*>(ws + 2 * a.m_rows * a.groups);
+}
+inline const int16_t* int4_xq(const Int4Args& a, const float* ws) {
+  return reinterpret_cast<const int16_t*>(ws + 2 * a.m_rows * a.groups);
 }
 
 // One group of 32 activations to int16: dx = max|x| / 32767 and xq = round-half-even(x / dx),
@@ -271,7 +278,8 @@ void int4_prepare(const Int4Args& a, float* ws) {
 
 // One group's 32 products of 16-bit codes (c0: elements 0-15, c1: 16-31) with xg, as fp32
 inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
-  const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
+  const __m256i p0 =
+      _mm256_madd_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
   const __m256i p1 =
       _mm256_madd_epi16(c1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
@@ -281,8 +289,8 @@ template <int MT>
 void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   constexpr int NT = kColTile;
   const float* xsum = ws;
-  const float* dx = ws + a.m_rows * a.groups;
-  const int16_t* xq = reinterpret_cast<const int16_t*>(ws + 2 * a.m_rows * a.groups);
+  const float* dx = int4_dx(a, ws);
+  const int16_t* xq = int4_xq(a, ws);
   const __m256i low4 = _mm256_set1_epi16(0x000f);
   __m256 acc[NT][MT];
   __m128 off[MT];  // the 4 columns' sum over groups of scale * xsum (times 128 at the end)
@@ -310,15 +318,16 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
       // byte j: element j of group g in the low nibble, of group g + 1 in the high one;
       // widened to 16 bits, the low nibble is (u & 15), the high one u >> 4
       const uint8_t* run = cb + (g / 2 * NT + c) * 32;
-      const __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
+      const __m256i u0 =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
       const __m256i u1 =
           _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16)));
       const __m256i a0 = _mm256_and_si256(u0, low4), a1 = _mm256_and_si256(u1, low4);
       const __m256i b0 = _mm256_srli_epi16(u0, 4), b1 = _mm256_srli_epi16(u1, 4);
 #pragma GCC unroll 4
       for (int t = 0; t < MT; ++t) {
-        // (the scale of column c broadcast from the weights' own array: a copy of it made
-        // in this loop would be read back through store forwarding, which stalled here)
+        // (the scale of column c broadcast from the weights' own array, not from a copy
+        // made in this loop, which would be read back through store forwarding)
         const int16_t* xg = xq + ((m0 + t) * a.groups + g) * 32;
         acc[c][t] = _mm256_fmadd_ps(
             dot_group16(a0, a1, xg),
