@@ -91,7 +91,11 @@ class _OursPeer:
 
         self._sp = SamplingParams
         self.llm = LLM(model=a.model, dtype=self.dtype, quantization=self.quantization,
-                       kernels=self.kernels, max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_gib=1.0)
+                       kernels=self.kernels, max_num_seqs=64, max_num_batched_tokens=2048,
+                       kv_cache_gib=1.0,
+                       # every repeat sends the same prompts (and the warm-up a prefix of the
+                       # long one): with the cache on, prefills would be served from it
+                       enable_prefix_caching=False)
         self.version = _version("entropic")
 
     def _params(self, i: int, new: int):

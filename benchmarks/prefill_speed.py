@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_speed.py [--lengths 512 2041 4096] [--rounds 3] [--threads 2]
         [--levels amx avx512bf16] [--model PATH] [--out results/prefill_speed.json]
+    python benchmarks/prefill_speed.py --against-sdpa [--dtype auto] [--chunk 512]
 
 The default model in bf16 with native kernels, prefix caching off, one request of N prompt
 tokens (ShareGPT text, repeated to length) and max_tokens=1, so the time is the prompt's
@@ -11,6 +12,11 @@ its ratio to the first level. The levels differ only in prefill attention (amx: 
 on AMX-BF16 tiles), so the ratio is that kernel's share of a prefill. Also the share of
 prefill attention in the forward at each length (the op timed alone at the model's shapes
 and scaled by the layer count), measured at each level.
+
+--against-sdpa: at the best level, the model in --dtype (default auto: what LLM() picks on
+this CPU) with prefill chunks on entropic's prefill attention against the same model with
+torch's SDPA for them (the model's `native_prefill` switched between turns), --chunk tokens
+per step (default: the whole prompt in one step).
 """
 from __future__ import annotations
 
@@ -69,16 +75,61 @@ def kernel_rows(levels: list[str], shape: tuple[int, int, int], rounds: int) -> 
     return rows
 
 
+def against_sdpa(a) -> None:
+    """Entropic's prefill attention against SDPA in the same model, alternating."""
+    llm = LLM(model=a.model, dtype=a.dtype, enable_prefix_caching=False,
+              max_model_len=max(a.lengths) + 16, max_num_batched_tokens=a.chunk or max(a.lengths))
+    model = llm.engine.model
+    if not model.native_prefill:
+        raise SystemExit(f"entropic's prefill attention does not run for this model here "
+                         f"(level {kernels.isa()}, {llm.dtype_reason})")
+    start = describe(a.threads)
+    print(f"{header(start)}; dtype {llm.dtype_reason}; level {kernels.isa()}; "
+          f"{a.chunk or 'whole-prompt'} tokens per step")
+    print("| prompt tokens | native s | SDPA s | SDPA / native (median of rounds) |")
+    print("|---|---:|---:|---:|")
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rows = []
+    for n in a.lengths:
+        ids = prompt_of(llm, n)
+        times: dict[str, list[float]] = {"native": [], "sdpa": []}
+        for r in range(a.rounds + 1):  # round 0: warm-up of both
+            for path in (("native", "sdpa") if r % 2 == 0 else ("sdpa", "native")):
+                model.native_prefill = path == "native"
+                t = time.perf_counter()
+                llm.generate([ids], params, use_tqdm=False)
+                if r:
+                    times[path].append(time.perf_counter() - t)
+        model.native_prefill = True
+        ratios = [s / n_ for s, n_ in zip(times["sdpa"], times["native"])]
+        row = {"tokens": n, **{p: statistics.median(v) for p, v in times.items()},
+               "rounds": times, "ratio": statistics.median(ratios)}
+        rows.append(row)
+        print(f"| {n} | {row['native']:.2f} | {row['sdpa']:.2f} | {row['ratio']:.2f}x |",
+              flush=True)
+    write_json(a.out, {"machine": start, "load_avg_end": describe(a.threads)["load_avg"],
+                       "mode": "against_sdpa", "dtype_reason": llm.dtype_reason,
+                       "level": kernels.isa(), "chunk": a.chunk, "rows": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2041, 4096])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--against-sdpa", action="store_true",
+                    help="entropic's prefill attention against SDPA, same model, alternating")
+    ap.add_argument("--dtype", default="auto", help="--against-sdpa: the model's dtype")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="--against-sdpa: tokens per step (default: the whole prompt)")
     ap.add_argument("--levels", nargs="+", default=None,
                     help="native ISA levels to compare (default: amx and avx512bf16 where run)")
     add_common_args(ap, out="results/prefill_speed.json", quick=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
+    if a.against_sdpa:
+        against_sdpa(a)
+        return
     levels = a.levels or [lv for lv in ("amx", "avx512bf16") if lv in kernels.isa_levels()]
     missing = [lv for lv in levels if lv not in kernels.isa_levels()]
     if missing or len(levels) < 1:

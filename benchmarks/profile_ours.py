@@ -88,7 +88,8 @@ def main() -> None:
     from entropic.bench.datasets import chat_prompt_ids
 
     llm = LLM(model=a.model, dtype=a.dtype, quantization=a.quantization, kernels=a.kernels, max_num_seqs=64,
-              max_num_batched_tokens=2048, kv_cache_gib=1.0)
+              max_num_batched_tokens=2048, kv_cache_gib=1.0,
+              enable_prefix_caching=False)  # the warm-up sends the profiled prompts too
     prompts = chat_prompt_ids(llm.get_tokenizer(), 64, 512)
     work = prompts[:1] if a.scenario == "decode" else prompts
     sp = SamplingParams(max_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)

@@ -105,7 +105,8 @@ def main() -> None:
         args.requests, args.max_tokens = 8, 16
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=1024)
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=1024,
+              enable_prefix_caching=False)  # timed steps must compute what they schedule
     if args.calibrate:
         path = Path(args.calibrate)
         trace = json.loads(path.read_text())

@@ -125,7 +125,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.kv_blocks,
-              max_num_batched_tokens=512)
+              max_num_batched_tokens=512,
+              enable_prefix_caching=False)  # repeats replay the same requests
     llms = {"fcfs": LLM(model=args.model, **kw),
             "entropic": LLM(model=args.model, scheduling="entropic", **kw)}
     machine = describe(torch.get_num_threads())

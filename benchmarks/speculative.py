@@ -333,7 +333,7 @@ def main() -> None:
     if modes[0] != "off" or not set(modes) <= set(MODES):
         raise SystemExit(f"--modes must start with off and name modes from {MODES}")
     temps = tuple(float(t) for t in a.temperatures.split(","))
-    llm = LLM(model=a.model)
+    llm = LLM(model=a.model, enable_prefix_caching=False)  # rounds replay the same prompts
     sets = workloads(llm.tokenizer, max(n, max(batches)))
     machine = describe(a.threads)
     result = {"machine": machine, "cpu": machine["cpu"], "flags": machine["flags"],

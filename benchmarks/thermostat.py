@@ -112,7 +112,7 @@ def main() -> None:
         print(f"  {name}: done", file=sys.stderr, flush=True)
 
     # timing pass without the probe, all configurations interleaved per repeat
-    timer = LLM(model=args.model)
+    timer = LLM(model=args.model, enable_prefix_caching=False)  # repeats: the same prompts
     timing_prompts = prompts[:args.timing_prompts]
     tps: dict[str, list[float]] = {k: [] for k in cfgs}
     timer.generate(timing_prompts[:4], SamplingParams(max_tokens=4))  # warm-up

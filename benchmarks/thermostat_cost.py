@@ -54,7 +54,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.max_tokens = 3, 48
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, max_num_batched_tokens=2048)
+    # rounds send the same prompts: no prefix cache, every round computes its prefills
+    llm = LLM(model=args.model, max_num_batched_tokens=2048, enable_prefix_caching=False)
     prompts = chat_prompt_ids(llm.tokenizer, args.rows, max_tokens=256)
     th = ThermostatParams(target_entropy=2.0, eta=0.2, t_min=0.2, t_max=2.0)
     configs = {

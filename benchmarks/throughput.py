@@ -83,7 +83,8 @@ class Ours:
         self._params = SamplingParams
         self.llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_gib=args.kv_cache_gib)
+                       kv_cache_gib=args.kv_cache_gib,
+                       enable_prefix_caching=False)  # repeats send the same prompts
         self.tokenizer = self.llm.get_tokenizer()
         # The engine keeps its weights as plain tensors in the run dtype: count the file's.
         self.weight_bytes = shape["numel"] * dtype.itemsize

@@ -178,6 +178,10 @@ def test_tiny_ablation_run_writes_all_metric_keys(tmp_path):
     assert data["values"]["baseline"]["rougeL_base"] == pytest.approx(1.0)
     assert data["delta"]["baseline"]["e2e_mean"]["rel"] == 0.0
     assert data["meta"]["options"]["threads"] == 2
+    # dtype "auto", as LLM() chooses it on this CPU (bf16 only where it is hardware's)
+    from entropic.config import choose_dtype
+    assert data["meta"]["options"]["dtype"] == "auto"
+    assert data["meta"]["options"]["dtype_reason"] == choose_dtype("auto", "cpu", None)[1]
     assert all(r["n_tokens"] >= 1 for rs in raw["runs"].values() for run in rs
                for r in run["records"])
     thermo_t = [t for run in raw["runs"]["thermo"] for r in run["records"]

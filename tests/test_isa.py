@@ -127,6 +127,8 @@ def _outputs(level: str) -> dict[str, torch.Tensor]:
             out["int4_linear"] = NativeInt4Linear(blocks)(x)
             out["int8_linear"] = NativeInt8Linear(torch.randn(66, 608, generator=g) * 0.05)(x)
             out["prefill_attention"] = E.prefill_attention(q, cache, slots, 50, 0.125)
+            out["prefill_attention float32"] = E.prefill_attention(q.float(), cache.float(),
+                                                                   slots, 50, 0.125)
     return out
 
 
@@ -146,6 +148,9 @@ def test_levels_agree_where_their_arithmetic_is_the_same():
         for k in ("rms_norm bfloat16", "silu_mul bfloat16", "rope_kv bfloat16",
                   "rope_kv float32"):
             assert torch.equal(outs[lv][k], outs[LEVELS[0]][k]), (lv, k)
+    for lv in VECTOR_LEVELS:  # float32 models: the same fp32 FMAs at every level
+        k = "prefill_attention float32"
+        assert torch.equal(outs[lv][k], outs[VECTOR_LEVELS[0]][k]), lv
     if "avx512bf16" in LEVELS and FP32_LEVELS:
         bf, fp = outs["avx512bf16"], outs[FP32_LEVELS[0]]
         for k in ("int4_linear", "prefill_attention"):
@@ -222,7 +227,7 @@ def test_the_backend_records_its_level_and_what_it_runs():
             b = select_backend(None, "cpu", torch.bfloat16, 64)
             assert (b.name, b.isa, b.prefill_attention, b.quantized_linear) == (
                 "native", lv, True, True)
-            assert not select_backend(None, "cpu", torch.float32, 64).prefill_attention
+            assert select_backend(None, "cpu", torch.float32, 64).prefill_attention
             assert not select_backend(None, "cpu", torch.bfloat16, 80).prefill_attention
     assert select_backend("torch", "cpu", torch.float16, 64) == TORCH and not TORCH.native
     with pytest.raises(ValueError, match="support float32 and bfloat16"):

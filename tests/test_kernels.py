@@ -322,27 +322,33 @@ def _reference_prefill(q, cache, slots, start, scale):
     return (p @ v).transpose(0, 1).reshape(T, H * D)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,start,H,KVH,D", [(1, 0, 9, 3, 64), (100, 0, 9, 3, 64),
                                               (77, 150, 9, 3, 64), (130, 3, 8, 2, 128)])
-def test_prefill_attention_matches_causal_softmax_attention(vector_isa, T, start, H, KVH, D):
+def test_prefill_attention_matches_causal_softmax_attention(vector_isa, dtype, T, start, H,
+                                                            KVH, D):
     g = _gen(T + start)
-    cache = torch.randn(1000, 2, KVH, D, generator=g).bfloat16()
+    cache = torch.randn(1000, 2, KVH, D, generator=g).to(dtype)
     slots = torch.randperm(1000, generator=g)[:start + T]
-    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).bfloat16()  # q is a strided view
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)  # q is a strided view
     q = qkv[:, :H * D].view(T, H, D)
     out = E.prefill_attention(q, cache, slots, start, 1 / math.sqrt(D))
     want = _reference_prefill(q, cache, slots, start, 1 / math.sqrt(D))
-    # bf16 probabilities in P.V and the bf16 output rounding: ~2^-8 relative
-    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    assert out.dtype == dtype and out.shape == (T, H * D)
+    # bf16: bf16 probabilities in P.V and the bf16 output rounding, ~2^-8 relative; float32:
+    # fp32 sums and exp (~1 ulp) only
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert (out.double() - want).abs().max() <= tol * want.abs().max()
 
 
-def test_prefill_attention_does_not_depend_on_chunking(vector_isa):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_does_not_depend_on_chunking(vector_isa, dtype):
     """Key blocks are aligned to position 0: a prompt's last rows give the same bits when
     prefilled alone after a cached prefix (chunked prefill) as inside the whole prompt."""
     g = _gen(11)
-    cache = torch.randn(400, 2, 3, 64, generator=g).bfloat16()
+    cache = torch.randn(400, 2, 3, 64, generator=g).to(dtype)
     slots = torch.randperm(400, generator=g)[:200]
-    q = torch.randn(200, 9, 64, generator=g).bfloat16()
+    q = torch.randn(200, 9, 64, generator=g).to(dtype)
     whole = E.prefill_attention(q, cache, slots, 0, 0.125)
     for cut in (1, 64, 137, 199):
         assert torch.equal(E.prefill_attention(q[cut:], cache, slots, cut, 0.125), whole[cut:])
@@ -355,7 +361,9 @@ def test_prefill_attention_rejects_bad_input(vector_isa):
         E.prefill_attention(q, cache, torch.tensor([0, 1, 2, 10]), 0, 0.1)
     with pytest.raises(RuntimeError, match=r"slots must be a contiguous int64 \[start \+ q_len\]"):
         E.prefill_attention(q, cache, torch.arange(4), 2, 0.1)
-    with pytest.raises(RuntimeError, match="q must be a bfloat16"):
+    with pytest.raises(RuntimeError, match="q must be a bfloat16 or float32"):
+        E.prefill_attention(q.half(), cache, torch.arange(4), 0, 0.1)
+    with pytest.raises(RuntimeError, match="kv_cache must be .* of q's dtype"):
         E.prefill_attention(q.float(), cache, torch.arange(4), 0, 0.1)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         E.prefill_attention(torch.zeros(4, 9, 32, dtype=torch.bfloat16),

@@ -97,7 +97,7 @@ class AblationOptions:
     aa_control: bool = True  # run the baseline twice per repeat: the run-to-run noise floor
     progress: bool = True
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # as LLM(): bf16 where the CPU has bf16 arithmetic, else fp32
 
     def resolved(self) -> "AblationOptions":
         """Defaults filled in and every option checked (ValueError naming the option)."""
@@ -242,6 +242,7 @@ def run_ablation(opts: AblationOptions) -> dict:
     meta = asdict(opts)
     meta["workload"] = asdict(opts.workload)
     meta["threads"] = torch.get_num_threads()
+    meta["dtype_reason"] = next(iter(engines.values()))[1].dtype_reason  # what "auto" chose
     return {"options": meta, "configs": list(engines),
             "items": len(items), "kinds": {k: sum(i.kind == k for i in items)
                                            for k in KINDS if any(i.kind == k for i in items)},

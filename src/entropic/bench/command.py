@@ -31,6 +31,9 @@ def add_parsers(sub) -> None:
     a.add_argument("--target-entropy", type=float, default=1.0, help="thermostat H* (nats)")
     a.add_argument("--model", default=None,
                    help="GGUF file or HF directory; None: the embedded model")
+    a.add_argument("--dtype", default="auto",
+                   help="auto: bfloat16 on CPUs with bf16 arithmetic, else float32 (as LLM()); "
+                   "bfloat16 or float32 force one")
     a.add_argument("--no-aa", dest="aa_control", action="store_false",
                    help="skip the A/A control (the baseline run twice: the noise floor)")
     a.add_argument("--no-progress", dest="progress", action="store_false")
@@ -56,7 +59,7 @@ def cmd_ablation(args) -> int:
                            target_entropy=args.target_entropy, threads=args.threads,
                            seed=args.seed, n_boot=args.bootstrap, progress=args.progress,
                            aa_control=args.aa_control,
-                           model=args.model)
+                           model=args.model, dtype=args.dtype)
     opts.resolved()  # bad options fail here, before any model is loaded
     t0 = time.perf_counter()
     if args.report_only:

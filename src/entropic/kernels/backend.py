@@ -49,6 +49,5 @@ def select_backend(kernels: str | None, device: torch.device | str, dtype: torch
     ops = torch.ops.entropic
     return KernelBackend(
         "native", native.isa(),
-        prefill_attention=(dtype == torch.bfloat16 and head_dim % 64 == 0
-                           and bool(ops.prefill_attention_supported())),
+        prefill_attention=head_dim % 64 == 0 and bool(ops.prefill_attention_supported()),
         quantized_linear=bool(ops.int4_linear_supported()))

@@ -67,13 +67,14 @@ struct Int8Args {
 constexpr int64_t kColTile = 4;    // quantized codes and scales are stored in tiles of 4 columns
 constexpr int64_t kPfKeys = 64;    // prefill attention: keys per packed block
 constexpr int64_t kPfQueries = 16; // prefill attention: query positions per work item
+constexpr int64_t kPfF32ElemBytes = 4;  // prefill attention of float32 models: packed fp32
 
 struct PrefillArgs {
-  const bf16_bits* q;  // q[i][h][dim] at q + i * q_stride + h * d + dim
+  const void* q;  // q[i][h][dim] at q + i * q_stride + h * d + dim (the model's dtype)
   int64_t q_stride;
   const void* kp;  // packed keys, the level's layout
   const void* vp;  // packed values
-  bf16_bits* out;  // [q_len][heads * d]
+  void* out;  // [q_len][heads * d], the model's dtype
   int64_t q_len, start, heads, kv_heads, d, blocks;
   float scale;
 };
@@ -118,12 +119,18 @@ struct Kernels {
   // given) or "int16" (each group of 32 rounded to int16 with its own scale); null where
   // there are none
   const char* quant_activations;
-  // prefill attention: bytes per packed K (or V) element; pack one block of 64 keys of one
-  // KV head; one work item (query block qb x KV head g), ws prefill_ws_floats floats
+  // prefill attention of bf16 models: bytes per packed K (or V) element; pack one block of
+  // 64 keys of one KV head; one work item (query block qb x KV head g), ws
+  // prefill_ws_floats floats
   int64_t prefill_elem_bytes;
-  void (*prefill_pack)(const bf16_bits* cache, const int64_t* slots, int64_t nk,
-                       int64_t kv_heads, int64_t d, int64_t g, int64_t b, void* kp, void* vp);
+  void (*prefill_pack)(const void* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+                       int64_t d, int64_t g, int64_t b, void* kp, void* vp);
   void (*prefill_item)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
+  // the same for float32 models (kPfF32ElemBytes per packed element)
+  void (*prefill_pack_f32)(const void* cache, const int64_t* slots, int64_t nk,
+                           int64_t kv_heads, int64_t d, int64_t g, int64_t b, void* kp,
+                           void* vp);
+  void (*prefill_item_f32)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
 
   template <typename T>
   const TypedKernels<T>& typed() const;

@@ -2,7 +2,7 @@
 // has the math of each ISA level). A chunk of q_len new tokens at positions start ..
 // start + q_len - 1 of one sequence attends to the keys at positions 0 .. its own, read from
 // the paged cache through `slots` (rope_kv_ has already written the chunk's own).
-//   prefill_attention(q, kv_cache, slots, start, scale) -> out
+//   prefill_attention(q, kv_cache, slots, start, scale) -> out   (bfloat16 or float32)
 //   prefill_attention_supported() -> bool      whether the level in use has it (AVX2 or better)
 #include <torch/library.h>
 
@@ -22,14 +22,16 @@ using namespace entropic_kernels;
 // layout; then work items (16 query positions x one KV head) are handed out one at a time,
 // the longest (last query blocks) first: the causal work per item grows along the prompt, so
 // fixed shares would leave a thread idle.
-void prefill_rows(const Kernels& k, const PrefillArgs& args, const bf16_bits* cache,
+void prefill_rows(const Kernels& k, bool f32, const PrefillArgs& args, const void* cache,
                   const int64_t* slots, int64_t nk, char* kp, char* vp) {
   const int64_t kv_heads = args.kv_heads, d = args.d, blocks = args.blocks;
-  const int64_t block_bytes = kPfKeys * d * k.prefill_elem_bytes;
+  const int64_t block_bytes = kPfKeys * d * (f32 ? kPfF32ElemBytes : k.prefill_elem_bytes);
+  const auto pack = f32 ? k.prefill_pack_f32 : k.prefill_pack;
+  const auto item = f32 ? k.prefill_item_f32 : k.prefill_item;
   at::parallel_for(0, kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it)
-      k.prefill_pack(cache, slots, nk, kv_heads, d, it / blocks, it % blocks,
-                     kp + it * block_bytes, vp + it * block_bytes);
+      pack(cache, slots, nk, kv_heads, d, it / blocks, it % blocks, kp + it * block_bytes,
+           vp + it * block_bytes);
   });
   const int64_t nqb = (args.q_len + kPfQueries - 1) / kPfQueries, items = nqb * kv_heads;
   const int64_t rows = kPfQueries * (args.heads / kv_heads);
@@ -37,7 +39,7 @@ void prefill_rows(const Kernels& k, const PrefillArgs& args, const bf16_bits* ca
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> ws(prefill_ws_floats(rows, d));
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
-      k.prefill_item(args, it % kv_heads, nqb - 1 - it / kv_heads, ws.data());
+      item(args, it % kv_heads, nqb - 1 - it / kv_heads, ws.data());
   });
 }
 
@@ -48,16 +50,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const Kernels& k = active();
   TORCH_CHECK(k.prefill_item != nullptr, "prefill_attention: the ", k.name,
               " level has no prefill attention (it needs AVX2 or better)");
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
-                  q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "prefill_attention: q must be a bfloat16 [q_len, heads, head_dim] CPU tensor, "
-              "heads contiguous");
+  const bool f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(q.device().is_cpu() && (f32 || q.scalar_type() == at::kBFloat16) &&
+                  q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "prefill_attention: q must be a bfloat16 or float32 [q_len, heads, head_dim] CPU "
+              "tensor, heads contiguous");
   const int64_t q_len = q.size(0), heads = q.size(1), d = q.size(2);
   TORCH_CHECK(d % 64 == 0, "prefill_attention: head_dim ", d, " must be a multiple of 64");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous() && kv_cache.size(1) == 2 &&
-                  kv_cache.size(3) == d && kv_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention: kv_cache must be a contiguous bfloat16 [slots, 2, kv_heads, "
-              "head_dim] tensor");
+                  kv_cache.size(3) == d && kv_cache.scalar_type() == q.scalar_type(),
+              "prefill_attention: kv_cache must be a contiguous [slots, 2, kv_heads, head_dim] "
+              "tensor of q's dtype");
   const int64_t kv_heads = kv_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "prefill_attention: heads (", heads,
               ") must be a multiple of kv_heads (", kv_heads, ")");
@@ -75,13 +78,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   auto out = at::empty({q_len, heads * d}, q.options());
   if (q_len == 0) return out;
   const int64_t blocks = (nk + kPfKeys - 1) / kPfKeys;
-  const int64_t bytes = kv_heads * blocks * kPfKeys * d * k.prefill_elem_bytes;
+  const int64_t bytes =
+      kv_heads * blocks * kPfKeys * d * (f32 ? kPfF32ElemBytes : k.prefill_elem_bytes);
   auto kp = at::empty({bytes}, q.options().dtype(at::kByte));
   auto vp = at::empty({bytes}, q.options().dtype(at::kByte));
-  const PrefillArgs args{ptr<bf16_bits>(q), q.stride(0), kp.data_ptr(), vp.data_ptr(),
-                         ptr<bf16_bits>(out), q_len, start, heads, kv_heads, d, blocks,
-                         float(scale)};
-  prefill_rows(k, args, ptr<bf16_bits>(kv_cache), sl, nk, ptr<char>(kp), ptr<char>(vp));
+  const PrefillArgs args{q.data_ptr(), q.stride(0), kp.data_ptr(), vp.data_ptr(),
+                         out.data_ptr(), q_len, start, heads, kv_heads, d, blocks, float(scale)};
+  prefill_rows(k, f32, args, kv_cache.data_ptr(), sl, nk, ptr<char>(kp), ptr<char>(vp));
   return out;
 }
 

@@ -10,6 +10,8 @@
 //   keys [dim pair][64 keys][2 dims], values [key pair][dim][2 keys], bf16.
 // - avx512, avx2: the same fused multiply-adds one by one in fp32, in the same order (odd
 //   member of each pair first). Packed keys [dim][64 keys], values [key][dim], fp32.
+// - float32 models, at every level with vectors: the fp32 levels' fused multiply-adds over
+//   the fp32 cache, with fp32 probabilities (no bf16 rounding anywhere) and an fp32 output.
 // - amx: avx512bf16's layouts and softmax, with both products on AMX-BF16 tiles (TDPBF16PS,
 //   16 rows x 16 columns x 16 pairs per instruction, over the pairs in the same order). Its
 //   rounding within a pair differs from VDPBF16PS's (measured: either order of the pair
@@ -34,12 +36,130 @@ void pf_tiles(int64_t rows, F&& f) {
   }
 }
 
+// ---- fp32 fused multiply-adds: the fp32 levels' path for bf16 models, and every level's
+// path for float32 models (T: the cache's and q's element type) ----
+
+template <typename T>
+void pf32_pack_block(const void* cachev, const int64_t* slots, int64_t nk, int64_t kv_heads,
+                     int64_t d, int64_t g, int64_t b, void* kpv, void* vpv) {
+  const T* cache = static_cast<const T*>(cachev);
+  const int64_t slot_size = 2 * kv_heads * d;
+  float* kp = static_cast<float*>(kpv);  // [d][64]
+  float* vp = static_cast<float*>(vpv);  // [64][d]
+  for (int64_t j = 0; j < kPfKeys; ++j) {
+    const int64_t key = b * kPfKeys + j;
+    if (key >= nk) {
+      for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = vp[j * d + i] = 0.f;
+      continue;
+    }
+    const T* slot = cache + slots[key] * slot_size;
+    const T* kr = slot + g * d;
+    const T* vr = slot + (kv_heads + g) * d;
+    for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = load(kr + i);
+    for (int64_t i = 0; i < d; ++i) vp[j * d + i] = load(vr + i);
+  }
+}
+
+struct Pf32Queries {
+  const float* row[kPfRowTile];  // fp32 copies of the rows' queries
+};
+
+// Keys (scores) and head dims (P.V) per register pass: 4 x 16 lanes on AVX-512, 2 x 8 on
+// AVX2 (16 registers). A pass covers different outputs, so it does not change any sum.
+constexpr int kPfChunk = W == 16 ? 4 : 2;
+
+// kPairs (bf16 models): each dim pair's odd member first, as VDPBF16PS adds them; float32
+// models: the dims in order, one at a time (each key vector loaded once for all RT rows).
+template <int RT, bool kPairs>
+void pf32_scores(const Pf32Queries& q, const void* kblkv, int64_t d, float* s) {
+  const float* kblk = static_cast<const float*>(kblkv);
+  for (int64_t k0 = 0; k0 < kPfKeys; k0 += kPfChunk * W) {
+    V acc[RT][kPfChunk];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vzero();
+    auto step = [&](int64_t i) {
+      V k[kPfChunk];
+      for (int c = 0; c < kPfChunk; ++c) k[c] = vload(kblk + i * kPfKeys + k0 + c * W);
+      for (int r = 0; r < RT; ++r) {
+        const V qv = vset(q.row[r][i]);
+        for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(qv, k[c], acc[r][c]);
+      }
+    };
+    if constexpr (kPairs) {
+      for (int64_t i0 = 0; i0 < d; i0 += 2) {
+        step(i0 + 1);
+        step(i0);
+      }
+    } else {
+#pragma GCC unroll 1
+      for (int64_t i = 0; i < d; ++i) step(i);
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) vstore(s + r * kPfKeys + k0 + c * W, acc[r][c]);
+  }
+}
+
+// o[r] = alpha[r] * o[r] + P[r] . V for RT rows; P as fp32 p[r][64].
+template <int RT, bool kPairs>
+void pf32_values(const void* pv, const void* vblkv, int64_t d, float* o, const float* alpha) {
+  const float* p = static_cast<const float*>(pv);
+  const float* vblk = static_cast<const float*>(vblkv);
+  for (int64_t c0 = 0; c0 < d; c0 += kPfChunk * W) {
+    V acc[RT][kPfChunk];
+    for (int r = 0; r < RT; ++r) {
+      const V a = vset(alpha[r]);
+      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vmul(a, vload(o + r * d + c0 + c * W));
+    }
+    auto step = [&](int64_t j) {
+      V v[kPfChunk];
+      for (int c = 0; c < kPfChunk; ++c) v[c] = vload(vblk + j * d + c0 + c * W);
+      for (int r = 0; r < RT; ++r) {
+        const V pj = vset(p[r * kPfKeys + j]);
+        for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(pj, v[c], acc[r][c]);
+      }
+    };
+    if constexpr (kPairs) {
+      for (int64_t j0 = 0; j0 < kPfKeys; j0 += 2) {  // the odd key of a pair first
+        step(j0 + 1);
+        step(j0);
+      }
+    } else {
+#pragma GCC unroll 1
+      for (int64_t j = 0; j < kPfKeys; ++j) step(j);
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < kPfChunk; ++c) vstore(o + r * d + c0 + c * W, acc[r][c]);
+  }
+}
+
+// One row's probabilities e[4] (keys 0..63) stored as fp32 for P.V; returns their sum (in
+// the bf16 level's order). kRound (bf16 models): each rounded to bf16 first, as VCVTNE2PS2BF16
+// rounds (nearest even, denormals to zero), so that the fp32 levels give the bf16 level's
+// numbers; float32 models keep them as computed.
+template <bool kRound>
+inline float pf32_store_probs(const F16* e, void* pv) {
+  float* pr = static_cast<float*>(pv);
+  const F16 tiny = f16_set(std::numeric_limits<float>::min());
+  F16 total = f16_zero();
+  for (int c = 0; c < 4; ++c) {
+    F16 r = e[c];
+    if constexpr (kRound)
+      r = maskz16(ge16(e[c], tiny), round16(e[c], static_cast<const bf16_bits*>(nullptr)));
+    store16(pr + 16 * c, r);
+    total = add(total, r);
+  }
+  return reduce_add16(total);
+}
+
+// ---- bf16 dot products (the bf16 levels' path for bf16 models) ----
 #if defined(ENTROPIC_LEVEL_BF16)
 
+constexpr bool kPfDotLevel = true;
 constexpr int64_t kPfElemBytes = 2;
 
-void pf_pack_block(const bf16_bits* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+void pf_pack_block(const void* cachev, const int64_t* slots, int64_t nk, int64_t kv_heads,
                    int64_t d, int64_t g, int64_t b, void* kpv, void* vpv) {
+  const bf16_bits* cache = static_cast<const bf16_bits*>(cachev);
   const int64_t slot_size = 2 * kv_heads * d, pairs = d / 2;
   uint32_t* kw = static_cast<uint32_t*>(kpv);
   bf16_bits* vp = static_cast<bf16_bits*>(vpv);
@@ -221,175 +341,102 @@ inline void pf_block_values(const void* pv, int64_t rows, const void* vblkv, int
 }
 #endif
 
-#else  // fp32 fused multiply-adds
+#else
 
+constexpr bool kPfDotLevel = false;
 constexpr int64_t kPfElemBytes = 4;
-
-void pf_pack_block(const bf16_bits* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
-                   int64_t d, int64_t g, int64_t b, void* kpv, void* vpv) {
-  const int64_t slot_size = 2 * kv_heads * d;
-  float* kp = static_cast<float*>(kpv);  // [d][64]
-  float* vp = static_cast<float*>(vpv);  // [64][d]
-  for (int64_t j = 0; j < kPfKeys; ++j) {
-    const int64_t key = b * kPfKeys + j;
-    if (key >= nk) {
-      for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = vp[j * d + i] = 0.f;
-      continue;
-    }
-    const bf16_bits* slot = cache + slots[key] * slot_size;
-    const bf16_bits* kr = slot + g * d;
-    const bf16_bits* vr = slot + (kv_heads + g) * d;
-    for (int64_t i = 0; i < d; ++i) kp[i * kPfKeys + j] = load(kr + i);
-    for (int64_t i = 0; i < d; ++i) vp[j * d + i] = load(vr + i);
-  }
-}
-
-struct PfQueries {
-  const float* row[kPfRowTile];  // fp32 copies of the rows' queries
-};
-
-// Keys (scores) and head dims (P.V) per register pass: 4 x 16 lanes on AVX-512, 2 x 8 on
-// AVX2 (16 registers). A pass covers different outputs, so it does not change any sum.
-constexpr int kPfChunk = W == 16 ? 4 : 2;
-
-template <int RT>
-void pf_scores(const PfQueries& q, const void* kblkv, int64_t d, float* s) {
-  const float* kblk = static_cast<const float*>(kblkv);
-  for (int64_t k0 = 0; k0 < kPfKeys; k0 += kPfChunk * W) {
-    V acc[RT][kPfChunk];
-    for (int r = 0; r < RT; ++r)
-      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vzero();
-    for (int64_t i0 = 0; i0 < d; i0 += 2) {
-      for (int64_t i = i0 + 1; i >= i0; --i) {  // VDPBF16PS's order: odd dim, then even
-        V k[kPfChunk];
-        for (int c = 0; c < kPfChunk; ++c) k[c] = vload(kblk + i * kPfKeys + k0 + c * W);
-        for (int r = 0; r < RT; ++r) {
-          const V qv = vset(q.row[r][i]);
-          for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(qv, k[c], acc[r][c]);
-        }
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      for (int c = 0; c < kPfChunk; ++c) vstore(s + r * kPfKeys + k0 + c * W, acc[r][c]);
-  }
-}
-
-// o[r] = alpha[r] * o[r] + P[r] . V for RT rows; P as fp32 p[r][64] (bf16 values).
-template <int RT>
-void pf_values(const void* pv, const void* vblkv, int64_t d, float* o, const float* alpha) {
-  const float* p = static_cast<const float*>(pv);
-  const float* vblk = static_cast<const float*>(vblkv);
-  for (int64_t c0 = 0; c0 < d; c0 += kPfChunk * W) {
-    V acc[RT][kPfChunk];
-    for (int r = 0; r < RT; ++r) {
-      const V a = vset(alpha[r]);
-      for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vmul(a, vload(o + r * d + c0 + c * W));
-    }
-    for (int64_t j0 = 0; j0 < kPfKeys; j0 += 2) {
-      for (int64_t j = j0 + 1; j >= j0; --j) {  // the odd key of a pair first
-        V v[kPfChunk];
-        for (int c = 0; c < kPfChunk; ++c) v[c] = vload(vblk + j * d + c0 + c * W);
-        for (int r = 0; r < RT; ++r) {
-          const V pj = vset(p[r * kPfKeys + j]);
-          for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(pj, v[c], acc[r][c]);
-        }
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      for (int c = 0; c < kPfChunk; ++c) vstore(o + r * d + c0 + c * W, acc[r][c]);
-  }
-}
-
-// e rounded to bf16 as VCVTNE2PS2BF16 rounds (nearest even, denormals to zero), stored as
-// fp32; returns their sum in the bf16 level's order.
-inline float pf_store_probs(const F16* e, void* pv) {
-  float* pr = static_cast<float*>(pv);
-  const F16 tiny = f16_set(std::numeric_limits<float>::min());
-  F16 total = f16_zero();
-  for (int c = 0; c < 4; ++c) {
-    const F16 r = maskz16(ge16(e[c], tiny), round16(e[c], static_cast<const bf16_bits*>(nullptr)));
-    store16(pr + 16 * c, r);
-    total = add(total, r);
-  }
-  return reduce_add16(total);
-}
 constexpr int64_t kPfProbFloats = kPfKeys;
+
+// bf16 models pack as float32 ones do (fp32 keys and values)
+void pf_pack_block(const void* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+                   int64_t d, int64_t g, int64_t b, void* kp, void* vp) {
+  pf32_pack_block<bf16_bits>(cache, slots, nk, kv_heads, d, g, b, kp, vp);
+}
 
 #endif
 
-// One work item: query positions [qb * 16, +16) with the heads of KV head g.
+// One work item: query positions [qb * 16, +16) with the heads of KV head g. T: q's, the
+// cache's and the output's element type; kFma: the fp32 fused multiply-adds (pf32_*), else
+// the bf16 level's dot products (bf16 models on the bf16 levels).
+template <typename T, bool kFma>
 void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
+  constexpr bool kDot = !kFma;
+  static_assert(kFma || (kPfDotLevel && std::is_same_v<T, bf16_bits>));
+  constexpr int64_t prob_floats = kDot ? kPfProbFloats : kPfKeys;
+  constexpr bool kPairs = std::is_same_v<T, bf16_bits>;  // the bf16 level's order
   const int64_t rep = a.heads / a.kv_heads, d = a.d;
   const int64_t i0 = qb * kPfQueries, nq = std::min(kPfQueries, a.q_len - i0), rows = nq * rep;
+  int64_t rows_p = rows;
 #if defined(ENTROPIC_LEVEL_AMX)
   // whole tiles of rows; the padding rows' queries and probabilities are zeros
-  const int64_t rows_p = (rows + kPfRowPad - 1) / kPfRowPad * kPfRowPad;
-#else
-  const int64_t rows_p = rows;
+  if constexpr (kDot) rows_p = (rows + kPfRowPad - 1) / kPfRowPad * kPfRowPad;
 #endif
   float* o = ws;
   float* s = o + rows_p * d;
   float* mx = s + rows_p * kPfKeys;
   float* sum = mx + rows_p;
   float* alpha = sum + rows_p;
-  float* probs = alpha + rows_p;  // rows x kPfProbFloats
-  float* qf = probs + rows_p * kPfProbFloats;  // fp32 levels: the rows' queries (amx: bf16)
+  float* probs = alpha + rows_p;  // rows x prob_floats
+  float* qf = probs + rows_p * prob_floats;  // kFma: the rows' queries in fp32 (amx: bf16)
   std::fill(o, o + rows_p * d, 0.f);
   for (int64_t r = 0; r < rows_p; ++r) {
     mx[r] = -std::numeric_limits<float>::infinity();
     sum[r] = 0.f;
     alpha[r] = 1.f;
   }
+  const T* q = static_cast<const T*>(a.q);
   auto q_row = [&](int64_t r) {
-    return a.q + (i0 + r / rep) * a.q_stride + (g * rep + r % rep) * d;
+    return q + (i0 + r / rep) * a.q_stride + (g * rep + r % rep) * d;
   };
-  (void)qf;
 #if defined(ENTROPIC_LEVEL_AMX)
   bf16_bits* qs = reinterpret_cast<bf16_bits*>(qf);  // rows_p x d
-  std::fill(probs + rows * kPfProbFloats, probs + rows_p * kPfProbFloats, 0.f);
-  for (int64_t r = 0; r < rows_p; ++r) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(qs + r * d);
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(r < rows ? q_row(r) : nullptr);
-    for (int64_t p = 0; p < d / 2; ++p) dst[p] = src ? src[p] : 0u;  // padding rows: 0
-  }
-  pf_tiles_begin();
-#endif
-#if !defined(ENTROPIC_LEVEL_BF16)
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(q_row(r) + i);
-#endif
-  auto queries = [&](int64_t r0, int rt) {
-    PfQueries q{};
-    for (int t = 0; t < rt; ++t) {
-#if defined(ENTROPIC_LEVEL_BF16)
-      q.row[t] = reinterpret_cast<const uint32_t*>(q_row(r0 + t));
-#else
-      q.row[t] = qf + (r0 + t) * d;
-#endif
+  (void)qs;
+  if constexpr (kDot) {
+    std::fill(probs + rows * kPfProbFloats, probs + rows_p * kPfProbFloats, 0.f);
+    for (int64_t r = 0; r < rows_p; ++r) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(qs + r * d);
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(r < rows ? q_row(r) : nullptr);
+      for (int64_t p = 0; p < d / 2; ++p) dst[p] = src ? src[p] : 0u;  // padding rows: 0
     }
-    return q;
-  };
+    pf_tiles_begin();
+  }
+#endif
+  if constexpr (kFma) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(q_row(r) + i);
+  }
   const int64_t nblk = (a.start + i0 + nq - 1) / kPfKeys + 1;
-  const int64_t block_bytes = kPfKeys * d * kPfElemBytes;  // one packed block
+  const int64_t block_bytes = kPfKeys * d * (kDot ? kPfElemBytes : kPfF32ElemBytes);
   const F16 scale = f16_set(a.scale);
   const F16 minus_inf = f16_set(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < nblk; ++b) {
     const char* kblk = static_cast<const char*>(a.kp) + (g * a.blocks + b) * block_bytes;
     const char* vblk = static_cast<const char*>(a.vp) + (g * a.blocks + b) * block_bytes;
+    if constexpr (kDot) {
 #if defined(ENTROPIC_LEVEL_AMX)
-    pf_block_scores(qs, rows_p, kblk, d, s);
-#else
-    pf_tiles(rows, [&](auto rt, int64_t r0) {
-      pf_scores<decltype(rt)::value>(queries(r0, rt), kblk, d, s + r0 * kPfKeys);
-    });
+      pf_block_scores(qs, rows_p, kblk, d, s);
+#elif defined(ENTROPIC_LEVEL_BF16)
+      pf_tiles(rows, [&](auto rt, int64_t r0) {
+        PfQueries qr{};
+        for (int t = 0; t < rt; ++t)
+          qr.row[t] = reinterpret_cast<const uint32_t*>(q_row(r0 + t));
+        pf_scores<decltype(rt)::value>(qr, kblk, d, s + r0 * kPfKeys);
+      });
 #endif
+    } else {
+      pf_tiles(rows, [&](auto rt, int64_t r0) {
+        Pf32Queries qr{};
+        for (int t = 0; t < rt; ++t) qr.row[t] = qf + (r0 + t) * d;
+        pf32_scores<decltype(rt)::value, kPairs>(qr, kblk, d, s + r0 * kPfKeys);
+      });
+    }
     for (int64_t r = 0; r < rows; ++r) {
       // keys up to the row's own position
       const int64_t valid = std::min<int64_t>(kPfKeys, a.start + i0 + r / rep - b * kPfKeys + 1);
-      float* pr = probs + r * kPfProbFloats;
+      float* pr = probs + r * prob_floats;
       if (valid <= 0) {  // the whole block lies after this row's position
         alpha[r] = 1.f;
-        std::fill(pr, pr + kPfProbFloats, 0.f);
+        std::fill(pr, pr + prob_floats, 0.f);
         continue;
       }
       F16 x[4], e[4];
@@ -404,25 +451,42 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
       alpha[r] = std::exp(mx[r] - m_new);  // exp(-inf) = 0 on the first block
       mx[r] = m_new;
       for (int c = 0; c < 4; ++c) e[c] = maskz16(m[c], exp16(sub(x[c], f16_set(m_new))));
-      sum[r] = sum[r] * alpha[r] + pf_store_probs(e, pr);
-    }
-#if defined(ENTROPIC_LEVEL_AMX)
-    pf_block_values(probs, rows_p, vblk, d, o, alpha);
-#else
-    pf_tiles(rows, [&](auto rt, int64_t r0) {
-      pf_values<decltype(rt)::value>(probs + r0 * kPfProbFloats, vblk, d, o + r0 * d,
-                                     alpha + r0);
-    });
+      float block_sum;
+      if constexpr (kDot) {
+#if defined(ENTROPIC_LEVEL_BF16)
+        block_sum = pf_store_probs(e, pr);
 #endif
+      } else {
+        block_sum = pf32_store_probs<kPairs>(e, pr);
+      }
+      sum[r] = sum[r] * alpha[r] + block_sum;
+    }
+    if constexpr (kDot) {
+#if defined(ENTROPIC_LEVEL_AMX)
+      pf_block_values(probs, rows_p, vblk, d, o, alpha);
+#elif defined(ENTROPIC_LEVEL_BF16)
+      pf_tiles(rows, [&](auto rt, int64_t r0) {
+        pf_values<decltype(rt)::value>(probs + r0 * kPfProbFloats, vblk, d, o + r0 * d,
+                                       alpha + r0);
+      });
+#endif
+    } else {
+      pf_tiles(rows, [&](auto rt, int64_t r0) {
+        pf32_values<decltype(rt)::value, kPairs>(probs + r0 * kPfKeys, vblk, d, o + r0 * d,
+                                                 alpha + r0);
+      });
+    }
   }
 #if defined(ENTROPIC_LEVEL_AMX)
-  _tile_release();
+  if constexpr (kDot) _tile_release();
 #endif
+  T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = i0 + r / rep, h = g * rep + r % rep;
-    bf16_bits* dst = a.out + i * a.heads * d + h * d;
+    T* dst = out + i * a.heads * d + h * d;
     const F16 inv = f16_set(1.f / sum[r]);
     for (int64_t c = 0; c < d; c += 16)
       store16(dst + c, round16(mul(load16(o + r * d + c), inv), dst));
   }
 }
+

@@ -135,7 +135,7 @@ class LlamaModel:
         self.backend = select_backend(kernels, device, dtype, config.head_dim)
         # the ISA level the native kernels run at (entropic.kernels.isa()), None with torch's
         self.isa = self.backend.isa
-        # decided once: prefill chunks on entropic's bf16 prefill attention, or on SDPA
+        # decided once: prefill chunks on entropic's prefill attention (bf16 or fp32), or SDPA
         self.native_prefill = self.backend.prefill_attention
         # weight-only int4/int8: entropic's kernels at every ISA level that has them (AVX2 or
         # better), else torch's
