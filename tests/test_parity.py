@@ -90,8 +90,11 @@ def _check(outs, refs):
 
 
 def test_greedy_alone_matches_reference(llm_fp32, reference_greedy):
-    outs = [llm_fp32.generate([p], GREEDY)[0] for p, _, _ in reference_greedy]
-    assert _check(outs, reference_greedy) >= 16
+    # half the prompts one at a time (fp32 batch-1 decode is the slowest path on CPUs
+    # without bf16: ~100 s for all 24); the batched tests below take all of them
+    refs = reference_greedy[:12]
+    outs = [llm_fp32.generate([p], GREEDY)[0] for p, _, _ in refs]
+    assert _check(outs, refs) >= 8
 
 
 @pytest.mark.parametrize("concurrency", [8, 32])
