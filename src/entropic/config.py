@@ -86,10 +86,12 @@ INT4_AUTO_MAX_SEQS = {
     # Xeon without bf16, 2026-12-03: 4.3x fp32 at 1 request, 0.87x at 16; forced on Sapphire
     # Rapids (--emulate-isa avx512), 2026-12-06: 3.3x at 2, 2.2x at 4, 1.3x at 8, every round
     "avx512": 8,
-    # forced on Sapphire Rapids (--emulate-isa avx2), 2026-12-06: 4.8x fp32 at 1, 3.2x at 2,
-    # 1.8x at 4, 1.15x at 8 (every round), 0.87x at 16; a real AVX2 EPYC with the integer
-    # kernels, back to back: 5.7x at 1, 1.13x at 16, 0.79x at 64 (16 not yet in alternation)
-    "avx2": 8,
+    # (the batch > 1 figures of 2026-12-06 let ours' prefix cache serve the repeated prompts'
+    # prefills, which hid int4's slower prefill: avx512's 8 is not yet re-measured without it)
+    # A real AVX2 EPYC, 2026-12-07, in alternation with the cache off (benchmarks/
+    # peers_alternating.py, 4 rounds, 64 new tokens): int4 2.8x fp32 at 2, 1.5x at 4 (every
+    # round), 0.91x at 8 (rounds 0.84-1.06)
+    "avx2": 4,
 }
 
 
