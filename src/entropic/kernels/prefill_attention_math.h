@@ -68,8 +68,22 @@ struct Pf32Queries {
 // AVX2 (16 registers). A pass covers different outputs, so it does not change any sum.
 constexpr int kPfChunk = W == 16 ? 4 : 2;
 
-// kPairs (bf16 models): each dim pair's odd member first, as VDPBF16PS adds them; float32
-// models: the dims in order, one at a time (each key vector loaded once for all RT rows).
+// step(i) for i in 0 .. n - 1 (n even). kPairs (bf16 models): each pair's odd member first,
+// as VDPBF16PS adds them; float32 models: in order, one at a time (not unrolled: each step's
+// key or value vectors are loaded once for all RT rows).
+template <bool kPairs, typename F>
+inline void pf32_walk(int64_t n, F&& step) {
+  if constexpr (kPairs) {
+    for (int64_t i0 = 0; i0 < n; i0 += 2) {
+      step(i0 + 1);
+      step(i0);
+    }
+  } else {
+#pragma GCC unroll 1
+    for (int64_t i = 0; i < n; ++i) step(i);
+  }
+}
+
 template <int RT, bool kPairs>
 void pf32_scores(const Pf32Queries& q, const void* kblkv, int64_t d, float* s) {
   const float* kblk = static_cast<const float*>(kblkv);
@@ -85,15 +99,7 @@ void pf32_scores(const Pf32Queries& q, const void* kblkv, int64_t d, float* s) {
         for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(qv, k[c], acc[r][c]);
       }
     };
-    if constexpr (kPairs) {
-      for (int64_t i0 = 0; i0 < d; i0 += 2) {
-        step(i0 + 1);
-        step(i0);
-      }
-    } else {
-#pragma GCC unroll 1
-      for (int64_t i = 0; i < d; ++i) step(i);
-    }
+    pf32_walk<kPairs>(d, step);
     for (int r = 0; r < RT; ++r)
       for (int c = 0; c < kPfChunk; ++c) vstore(s + r * kPfKeys + k0 + c * W, acc[r][c]);
   }
@@ -118,15 +124,7 @@ void pf32_values(const void* pv, const void* vblkv, int64_t d, float* o, const f
         for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(pj, v[c], acc[r][c]);
       }
     };
-    if constexpr (kPairs) {
-      for (int64_t j0 = 0; j0 < kPfKeys; j0 += 2) {  // the odd key of a pair first
-        step(j0 + 1);
-        step(j0);
-      }
-    } else {
-#pragma GCC unroll 1
-      for (int64_t j = 0; j < kPfKeys; ++j) step(j);
-    }
+    pf32_walk<kPairs>(kPfKeys, step);
     for (int r = 0; r < RT; ++r)
       for (int c = 0; c < kPfChunk; ++c) vstore(o + r * d + c0 + c * W, acc[r][c]);
   }
