@@ -86,7 +86,8 @@ def capture(model: str | None, n_prompts: int, max_tokens: int
     """Per request, its decode steps' logits [steps, V] (greedy), the model's name, and the
     engine's decode step time (median seconds) at batch 1 and 64, for scale."""
     probe, hprobe = LogitsProbe(), SwitchedProbe()
-    llm = LLM(model, dtype="float32", processors=[probe, hprobe], kv_cache_gib=0.25)
+    llm = LLM(model, dtype="float32", processors=[probe, hprobe], kv_cache_gib=0.25,
+              enable_prefix_caching=False)
     if llm.tokenizer.chat_template:
         prompts = chat_prompt_ids(llm.tokenizer, n_prompts)
     else:  # a base model: the ShareGPT turn as raw text

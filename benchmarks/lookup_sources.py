@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    llm = LLM(model=a.model)
+    llm = LLM(model=a.model, enable_prefix_caching=False)
     sets = spec.workloads(llm.tokenizer, a.n)
     names = [k for k in sets if k != "mixed"]
     prompts = [sets[names[i % len(names)]][i // len(names)] for i in range(a.n * len(names))]

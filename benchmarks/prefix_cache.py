@@ -99,7 +99,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.conversations, args.turns, args.requests = 1, 2, 2, 16
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=0.5)
+    # the cache is switched per run (fresh_engine), on and off in turn
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_gib=0.5, enable_prefix_caching=True)
     machine = describe(args.threads)
     print(header(machine), flush=True)
     tok = llm.tokenizer

@@ -84,7 +84,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     probe = TemperedEntropyProbe()
-    llm = LLM(model=args.model, processors=[probe])
+    llm = LLM(model=args.model, processors=[probe], enable_prefix_caching=False)
     machine = describe(torch.get_num_threads())
     prompts = chat_prompt_ids(llm.tokenizer, args.prompts)
     cfgs = configs(args.targets)

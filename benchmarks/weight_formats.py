@@ -71,7 +71,7 @@ def main(argv=None) -> None:
     from entropic.bench.parity import Divergence, common_prefix, sequence_logits
 
     greedy = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
-    ref = LLM(a.model, **FORMATS["fp32"])
+    ref = LLM(a.model, enable_prefix_caching=False, **FORMATS["fp32"])
     prompts = chat_prompt_ids(ref.tokenizer, a.prompts, a.max_prompt_tokens)
     t0 = time.perf_counter()
     ref_out = [o.token_ids for o in ref.generate(prompts, greedy)]
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     del ref
     results = {}
     for fmt in a.formats:
-        llm = LLM(a.model, **FORMATS[fmt])
+        llm = LLM(a.model, enable_prefix_caching=False, **FORMATS[fmt])
         div = Divergence()
         for s, rl in zip(seqs, ref_logits):
             div.add(rl[:-1], sequence_logits(llm.engine.model, s)[:-1])

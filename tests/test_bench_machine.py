@@ -60,6 +60,27 @@ def test_benchmarks_share_the_helpers_and_leave_sys_path_alone():
             assert "add_common_args(" in text, f"{f.name} has its own --threads/--out"
 
 
+def test_every_benchmark_engine_decides_on_the_prefix_cache():
+    """Each `LLM(...)` a benchmark builds says whether the prefix cache is on: benchmarks
+    replay the same prompts, and with the default (on) a repeat would read its prefill from
+    the cache instead of computing it (peers.py did, 2026-12-05 to 12-07)."""
+    import ast
+    from pathlib import Path
+    found = 0
+    for f in sorted((Path(__file__).parents[1] / "benchmarks").glob("*.py")):
+        text = f.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "LLM"):
+                continue
+            found += 1
+            names = {k.arg for k in node.keywords}
+            # a **kwargs dict must name it where it is built (in the same file)
+            assert "enable_prefix_caching" in names or (
+                None in names and "enable_prefix_caching" in text), f"{f.name}:{node.lineno}"
+    assert found >= 15
+
+
 def test_alternating_children_get_every_option_their_peer_reads(monkeypatch, tmp_path):
     """peers_alternating.py builds each child's options itself: llama.cpp's peer reads
     no_extra_bufts, which the child once lacked (every llama.cpp child died at load)."""
