@@ -67,7 +67,6 @@ struct Int8Args {
 constexpr int64_t kColTile = 4;    // quantized codes and scales are stored in tiles of 4 columns
 constexpr int64_t kPfKeys = 64;    // prefill attention: keys per packed block
 constexpr int64_t kPfQueries = 16; // prefill attention: query positions per work item
-constexpr int64_t kPfF32ElemBytes = 4;  // prefill attention of float32 models: packed fp32
 
 struct PrefillArgs {
   const void* q;  // q[i][h][dim] at q + i * q_stride + h * d + dim (the model's dtype)
@@ -77,6 +76,16 @@ struct PrefillArgs {
   void* out;  // [q_len][heads * d], the model's dtype
   int64_t q_len, start, heads, kv_heads, d, blocks;
   float scale;
+};
+
+// Prefill attention for one model dtype: bytes per packed K (or V) element; pack one block
+// of 64 keys of one KV head; one work item (query block qb x KV head g), ws
+// prefill_ws_floats floats. Null where the level has none.
+struct PrefillKernels {
+  int64_t elem_bytes;
+  void (*pack)(const void* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
+               int64_t d, int64_t g, int64_t b, void* kp, void* vp);
+  void (*item)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
 };
 
 template <typename T>
@@ -119,18 +128,9 @@ struct Kernels {
   // given) or "int16" (each group of 32 rounded to int16 with its own scale); null where
   // there are none
   const char* quant_activations;
-  // prefill attention of bf16 models: bytes per packed K (or V) element; pack one block of
-  // 64 keys of one KV head; one work item (query block qb x KV head g), ws
-  // prefill_ws_floats floats
-  int64_t prefill_elem_bytes;
-  void (*prefill_pack)(const void* cache, const int64_t* slots, int64_t nk, int64_t kv_heads,
-                       int64_t d, int64_t g, int64_t b, void* kp, void* vp);
-  void (*prefill_item)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
-  // the same for float32 models (kPfF32ElemBytes per packed element)
-  void (*prefill_pack_f32)(const void* cache, const int64_t* slots, int64_t nk,
-                           int64_t kv_heads, int64_t d, int64_t g, int64_t b, void* kp,
-                           void* vp);
-  void (*prefill_item_f32)(const PrefillArgs& a, int64_t g, int64_t qb, float* ws);
+  // prefill attention of bf16 and of float32 models
+  PrefillKernels prefill_bf16;
+  PrefillKernels prefill_f32;
 
   template <typename T>
   const TypedKernels<T>& typed() const;
@@ -141,7 +141,7 @@ inline const TypedKernels<float>& Kernels::typed<float>() const { return f32; }
 template <>
 inline const TypedKernels<bf16_bits>& Kernels::typed<bf16_bits>() const { return bf16; }
 
-// Floats of prefill_item's workspace for `rows` rows (query positions x heads) of head_dim d.
+// Floats of PrefillKernels::item's workspace for `rows` rows (query positions x heads) of head_dim d.
 inline int64_t prefill_ws_floats(int64_t rows, int64_t d) {
   return rows * (2 * d + 2 * kPfKeys + 4) + 16;
 }

@@ -22,16 +22,14 @@ using namespace entropic_kernels;
 // layout; then work items (16 query positions x one KV head) are handed out one at a time,
 // the longest (last query blocks) first: the causal work per item grows along the prompt, so
 // fixed shares would leave a thread idle.
-void prefill_rows(const Kernels& k, bool f32, const PrefillArgs& args, const void* cache,
+void prefill_rows(const PrefillKernels& k, const PrefillArgs& args, const void* cache,
                   const int64_t* slots, int64_t nk, char* kp, char* vp) {
   const int64_t kv_heads = args.kv_heads, d = args.d, blocks = args.blocks;
-  const int64_t block_bytes = kPfKeys * d * (f32 ? kPfF32ElemBytes : k.prefill_elem_bytes);
-  const auto pack = f32 ? k.prefill_pack_f32 : k.prefill_pack;
-  const auto item = f32 ? k.prefill_item_f32 : k.prefill_item;
+  const int64_t block_bytes = kPfKeys * d * k.elem_bytes;
   at::parallel_for(0, kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it)
-      pack(cache, slots, nk, kv_heads, d, it / blocks, it % blocks, kp + it * block_bytes,
-           vp + it * block_bytes);
+      k.pack(cache, slots, nk, kv_heads, d, it / blocks, it % blocks, kp + it * block_bytes,
+             vp + it * block_bytes);
   });
   const int64_t nqb = (args.q_len + kPfQueries - 1) / kPfQueries, items = nqb * kv_heads;
   const int64_t rows = kPfQueries * (args.heads / kv_heads);
@@ -39,18 +37,19 @@ void prefill_rows(const Kernels& k, bool f32, const PrefillArgs& args, const voi
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> ws(prefill_ws_floats(rows, d));
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1))
-      item(args, it % kv_heads, nqb - 1 - it / kv_heads, ws.data());
+      k.item(args, it % kv_heads, nqb - 1 - it / kv_heads, ws.data());
   });
 }
 
-bool prefill_attention_supported() { return active().prefill_item != nullptr; }
+bool prefill_attention_supported() { return active().prefill_bf16.item != nullptr; }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                              const at::Tensor& slots, int64_t start, double scale) {
   const Kernels& k = active();
-  TORCH_CHECK(k.prefill_item != nullptr, "prefill_attention: the ", k.name,
+  TORCH_CHECK(k.prefill_bf16.item != nullptr, "prefill_attention: the ", k.name,
               " level has no prefill attention (it needs AVX2 or better)");
   const bool f32 = q.scalar_type() == at::kFloat;
+  const PrefillKernels& path = f32 ? k.prefill_f32 : k.prefill_bf16;
   TORCH_CHECK(q.device().is_cpu() && (f32 || q.scalar_type() == at::kBFloat16) &&
                   q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "prefill_attention: q must be a bfloat16 or float32 [q_len, heads, head_dim] CPU "
@@ -78,13 +77,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   auto out = at::empty({q_len, heads * d}, q.options());
   if (q_len == 0) return out;
   const int64_t blocks = (nk + kPfKeys - 1) / kPfKeys;
-  const int64_t bytes =
-      kv_heads * blocks * kPfKeys * d * (f32 ? kPfF32ElemBytes : k.prefill_elem_bytes);
+  const int64_t bytes = kv_heads * blocks * kPfKeys * d * path.elem_bytes;
   auto kp = at::empty({bytes}, q.options().dtype(at::kByte));
   auto vp = at::empty({bytes}, q.options().dtype(at::kByte));
   const PrefillArgs args{q.data_ptr(), q.stride(0), kp.data_ptr(), vp.data_ptr(),
                          out.data_ptr(), q_len, start, heads, kv_heads, d, blocks, float(scale)};
-  prefill_rows(k, f32, args, kv_cache.data_ptr(), sl, nk, ptr<char>(kp), ptr<char>(vp));
+  prefill_rows(path, args, kv_cache.data_ptr(), sl, nk, ptr<char>(kp), ptr<char>(vp));
   return out;
 }
 

@@ -404,7 +404,7 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
       for (int64_t i = 0; i < d; ++i) qf[r * d + i] = load(q_row(r) + i);
   }
   const int64_t nblk = (a.start + i0 + nq - 1) / kPfKeys + 1;
-  const int64_t block_bytes = kPfKeys * d * (kDot ? kPfElemBytes : kPfF32ElemBytes);
+  const int64_t block_bytes = kPfKeys * d * (kDot ? kPfElemBytes : int64_t(sizeof(float)));
   const F16 scale = f16_set(a.scale);
   const F16 minus_inf = f16_set(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < nblk; ++b) {

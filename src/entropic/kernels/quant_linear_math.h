@@ -223,15 +223,13 @@ constexpr int kQuantRowTile = W == 16 ? 4 : 2;
 //
 // ws = [xsum: m * groups][dx: m * groups][xq: m * groups * 32 int16]
 
-inline float* int4_dx(const Int4Args& a, float* ws) { return ws + a.m_rows * a.groups; }
-inline const float* int4_dx(const Int4Args& a, const float* ws) {
-  return ws + a.m_rows * a.groups;
-}
-inline int16_t* int4_xq(const Int4Args& a, float* ws) {
-  return reinterpret_cast<int16_t*>(ws + 2 * a.m_rows * a.groups);
-}
-inline const int16_t* int4_xq(const Int4Args& a, const float* ws) {
-  return reinterpret_cast<const int16_t*>(ws + 2 * a.m_rows * a.groups);
+// (F: float or const float, the workspace as the caller holds it)
+template <typename F>
+F* int4_dx(const Int4Args& a, F* ws) { return ws + a.m_rows * a.groups; }
+template <typename F>
+auto int4_xq(const Int4Args& a, F* ws) {
+  using I = std::conditional_t<std::is_const_v<F>, const int16_t, int16_t>;
+  return reinterpret_cast<I*>(ws + 2 * a.m_rows * a.groups);
 }
 
 // One group of 32 activations to int16: dx = max|x| / 32767 and xq = round-half-even(x / dx),
