@@ -177,3 +177,36 @@ def _int4_model_check(refs, chat_prompts, kernels, level):
         assert alone == together
     # kernels="torch" is not asserted: its decode attention (SDPA over padded groups) is not
     # batch invariant on CPUs with avx512_bf16 (seen on an AMD EPYC, 2026-12-03)
+
+
+@pytest.mark.model
+def test_fused_decode_stack_gives_the_layer_loops_bits(chat_prompts):
+    """`entropic.decode_layers_` (a pure decode step's layers in one call) against the
+    Python layer loop: the same tokens and the same entropies to the bit, alone and in a
+    batch of rows of different lengths, sampled with a seed."""
+    from entropic import LLM, kernels as native
+    if not torch.ops.entropic.int4_linear_supported():
+        pytest.skip(f"the {native.isa()} level has no int4 kernel: nothing to fuse")
+    llm = LLM(quantization="int4", max_num_batched_tokens=256, kv_cache_gib=0.25,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.fused_decode
+    fused_steps = []
+    group = model._fused_group
+
+    def spy(meta, rows):
+        g = group(meta, rows)
+        if g is not None:
+            fused_steps.append(rows)
+        return g
+    model._fused_group = spy
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
+
+    def run(prompts):
+        return [(o.token_ids, o.entropies) for o in llm.generate(prompts, params)]
+
+    prompts = [chat_prompts[0], chat_prompts[5], chat_prompts[9]]
+    fused = run(prompts[:1]) + run(prompts)
+    assert fused_steps and max(fused_steps) == 3
+    model.fused_decode = False
+    assert run(prompts[:1]) + run(prompts) == fused

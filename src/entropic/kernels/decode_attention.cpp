@@ -18,8 +18,9 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
-namespace {
+namespace entropic_ops {
 
 using namespace entropic_kernels;
 
@@ -188,7 +189,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
-}  // namespace
+}  // namespace entropic_ops
 
 TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor? lengths, "
@@ -197,5 +198,5 @@ TORCH_LIBRARY_FRAGMENT(entropic, m) {
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &entropic_ops::paged_decode_attention);
 }

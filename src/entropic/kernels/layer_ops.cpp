@@ -13,8 +13,9 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
-namespace {
+namespace entropic_ops {
 
 using namespace entropic_kernels;
 
@@ -105,7 +106,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-}  // namespace
+}  // namespace entropic_ops
 
 TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -115,7 +116,7 @@ TORCH_LIBRARY_FRAGMENT(entropic, m) {
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_kv_", &rope_kv_);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &entropic_ops::rms_norm);
+  m.impl("rope_kv_", &entropic_ops::rope_kv_);
+  m.impl("silu_mul", &entropic_ops::silu_mul);
 }

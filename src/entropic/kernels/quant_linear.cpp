@@ -19,8 +19,9 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
-namespace {
+namespace entropic_ops {
 
 using namespace entropic_kernels;
 
@@ -105,16 +106,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
-}  // namespace
+}  // namespace entropic_ops
 
 TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset128) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
-  m.def("int4_linear_supported() -> bool", &int4_linear_supported);
-  m.def("quant_activations() -> str", &quant_activations);
+  m.def("int4_linear_supported() -> bool", &entropic_ops::int4_linear_supported);
+  m.def("quant_activations() -> str", &entropic_ops::quant_activations);
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
-  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &entropic_ops::int4_linear);
+  m.impl("int8_linear", &entropic_ops::int8_linear);
 }

@@ -286,9 +286,18 @@ inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
 template <int MT>
 void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   constexpr int NT = kColTile;
-  const float* xsum = ws;
-  const float* dx = int4_dx(a, ws);
-  const int16_t* xq = int4_xq(a, ws);
+  const int64_t groups = a.groups;
+  // each row's activations, scales and group sums, hoisted: read through `a` in the loop,
+  // they would be reloaded and recomputed for every column (the compiler cannot tell that
+  // the stores of the accumulators leave `a` alone)
+  const int16_t* xr[MT];
+  const float* dr[MT];
+  const float* sr[MT];
+  for (int t = 0; t < MT; ++t) {
+    xr[t] = int4_xq(a, ws) + (m0 + t) * groups * 32;
+    dr[t] = int4_dx(a, ws) + (m0 + t) * groups;
+    sr[t] = ws + (m0 + t) * groups;  // xsum
+  }
   const __m256i low4 = _mm256_set1_epi16(0x000f);
   __m256 acc[NT][MT];
   __m128 off[MT];  // the 4 columns' sum over groups of scale * xsum (times 128 at the end)
@@ -298,52 +307,57 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   const int64_t tile = n0 / NT;
   const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
   const float* sb = a.scale + tile * a.groups * NT;
-  for (int64_t g = 0; g < a.groups; g += 2) {
-    prefetch_int4_pair(cb, sb, g);
-    const bool pair = g + 1 < a.groups;
-    const __m128 sw0 = _mm_loadu_ps(sb + g * NT);
-    const __m128 sw1 = pair ? _mm_loadu_ps(sb + (g + 1) * NT) : _mm_setzero_ps();
+  // One pair of groups (g, g + 1), or the last group alone (Pair false): no branch inside,
+  // so that the accumulators stay in registers.
+  const auto step = [&](int64_t g, auto pair_tag) {
+    constexpr bool kPair = decltype(pair_tag)::value;
+    const float* s = sb + g * NT;
     __m256 dx0[MT], dx1[MT];
     for (int t = 0; t < MT; ++t) {
-      const int64_t at = (m0 + t) * a.groups + g;
-      dx0[t] = _mm256_broadcast_ss(dx + at);
-      dx1[t] = pair ? _mm256_broadcast_ss(dx + at + 1) : _mm256_setzero_ps();
-      off[t] = _mm_fmadd_ps(sw0, _mm_set1_ps(xsum[at]), off[t]);
-      if (pair) off[t] = _mm_fmadd_ps(sw1, _mm_set1_ps(xsum[at + 1]), off[t]);
+      dx0[t] = _mm256_broadcast_ss(dr[t] + g);
+      off[t] = _mm_fmadd_ps(_mm_loadu_ps(s), _mm_set1_ps(sr[t][g]), off[t]);
+      if constexpr (kPair) {
+        dx1[t] = _mm256_broadcast_ss(dr[t] + g + 1);
+        off[t] = _mm_fmadd_ps(_mm_loadu_ps(s + NT), _mm_set1_ps(sr[t][g + 1]), off[t]);
+      }
     }
+    const uint8_t* run = cb + g / 2 * NT * 32;
 #pragma GCC unroll 4  // the accumulators stay in registers only if c and t are constants
     for (int c = 0; c < NT; ++c) {
       // byte j: element j of group g in the low nibble, of group g + 1 in the high one;
       // widened to 16 bits, the low nibble is (u & 15), the high one u >> 4
-      const uint8_t* run = cb + (g / 2 * NT + c) * 32;
-      const __m256i u0 =
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
-      const __m256i u1 =
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16)));
+      const __m256i u0 = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + c * 32)));
+      const __m256i u1 = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + c * 32 + 16)));
       const __m256i a0 = _mm256_and_si256(u0, low4), a1 = _mm256_and_si256(u1, low4);
-      const __m256i b0 = _mm256_srli_epi16(u0, 4), b1 = _mm256_srli_epi16(u1, 4);
 #pragma GCC unroll 4
       for (int t = 0; t < MT; ++t) {
         // (the scale of column c broadcast from the weights' own array, not from a copy
         // made in this loop, which would be read back through store forwarding)
-        const int16_t* xg = xq + ((m0 + t) * a.groups + g) * 32;
-        acc[c][t] = _mm256_fmadd_ps(
-            dot_group16(a0, a1, xg),
-            _mm256_mul_ps(_mm256_broadcast_ss(sb + g * NT + c), dx0[t]), acc[c][t]);
-        if (pair)
+        const int16_t* xg = xr[t] + g * 32;
+        acc[c][t] = _mm256_fmadd_ps(dot_group16(a0, a1, xg),
+                                    _mm256_mul_ps(_mm256_broadcast_ss(s + c), dx0[t]),
+                                    acc[c][t]);
+        if constexpr (kPair)
           acc[c][t] = _mm256_fmadd_ps(
-              dot_group16(b0, b1, xg + 32),
-              _mm256_mul_ps(_mm256_broadcast_ss(sb + (g + 1) * NT + c), dx1[t]), acc[c][t]);
+              dot_group16(_mm256_srli_epi16(u0, 4), _mm256_srli_epi16(u1, 4), xg + 32),
+              _mm256_mul_ps(_mm256_broadcast_ss(s + NT + c), dx1[t]), acc[c][t]);
       }
     }
+  };
+  const int64_t paired = groups / 2 * 2;
+  for (int64_t g = 0; g < paired; g += 2) {
+    prefetch_int4_pair(cb, sb, g);
+    step(g, std::true_type{});
   }
+  if (paired < groups) step(paired, std::false_type{});
   for (int t = 0; t < MT; ++t) {
     alignas(16) float o[NT];
     _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
     for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {  // padding columns are not stored
       const float v = reduce8(acc[c][t]) + o[c] +
-                      offsets_dot(a.offset + (n0 + c) * a.groups, xsum + (m0 + t) * a.groups,
-                                  a.groups);
+                      offsets_dot(a.offset + (n0 + c) * groups, sr[t], groups);
       bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
       store(out, round_to(v, out));
     }

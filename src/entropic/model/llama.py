@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from entropic.config import ModelConfig, RopeScaling
 from entropic.kernels.backend import select_backend
 from entropic.model.attention import AttentionMetadata, KVCache, paged_attention, window_metadata
-from entropic.model.linear import (Int8Linear, Linear, NativeInt8Linear, check_quantization,
-                                   make_linear)
+from entropic.model.linear import (Int8Linear, Linear, NativeInt4Linear, NativeInt8Linear,
+                                   check_quantization, make_linear)
 from entropic.model.quant import Int4Blocks
 
 
@@ -180,6 +180,9 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(math.sqrt(c.hidden_size), dtype=dtype, device=self.device)
                             if fam.scaled_embedding else None)
         native_ops = self.backend.native
+        # a pure decode step's layers in one native call where every layer can take it
+        self._stack = self._decode_stack() if native_ops and self.plain_layers else None
+        self.fused_decode = self._stack is not None  # (tests turn it off to compare)
         self._norm = torch.ops.entropic.rms_norm if native_ops else rms_norm
         if fam.activation == "silu":
             self._act_mul = torch.ops.entropic.silu_mul if native_ops else _silu_mul
@@ -225,6 +228,28 @@ class LlamaModel:
             layer.mlp_out_norm = norm("post_feedforward_layernorm")
         return layer
 
+    def _decode_stack(self) -> list[torch.Tensor] | None:
+        """The weights `entropic.decode_layers_` takes (14 a layer), if every projection is
+        entropic's int4 linear without bias; else None."""
+        stack = []
+        for w in self.layers:
+            linears = (w.qkv, w.o, w.gate_up, w.down)
+            if not all(type(p) is NativeInt4Linear and p.bias is None for p in linears):
+                return None
+            stack += [w.in_norm, w.post_norm]
+            for p in linears:
+                stack += [p.weight, p.scale, p.offset128]
+        return stack
+
+    def _fused_group(self, meta: AttentionMetadata, rows: int):
+        """The decode group if this step can run as one `decode_layers_` call: decode rows
+        only, in one group in batch order, every row attending its whole context."""
+        if (not self.fused_decode or meta.prefills or meta.num_decode != rows
+                or len(meta.decode_groups) != 1 or meta.decode_order is not None):
+            return None
+        g = meta.decode_groups[0]
+        return g if g.keep is None and g.start == 0 and g.end == rows else None
+
     def make_kv_cache(self, num_blocks: int, block_size: int, key_bounds: bool = False
                       ) -> KVCache:
         c = self.config
@@ -240,8 +265,16 @@ class LlamaModel:
             x *= self.embed_scale
         if self.plain_layers:
             rope = self.rope.tables(positions)
-            for i, layer in enumerate(self.layers):
-                x = self._layer(layer, x, rope, meta, kv.kv[i])
+            g = self._fused_group(meta, x.shape[0])
+            if g is not None:
+                c = self.config
+                torch.ops.entropic.decode_layers_(
+                    x, self._stack, kv.kv, meta.slot_mapping, rope[0], rope[1],
+                    g.slots.view(g.end, g.ctx), g.lengths, g.mass, self.scale, c.rms_norm_eps,
+                    c.num_heads, c.num_kv_heads)
+            else:
+                for i, layer in enumerate(self.layers):
+                    x = self._layer(layer, x, rope, meta, kv.kv[i])
         else:
             # built once per step for all layers: each RoPE's tables, each window's metadata
             ropes = [r.tables(positions) for r in self.ropes]
