@@ -10,7 +10,9 @@ the drift. Here both peers are loaded once, each in its own process group, and t
 in every round each serves the same N requests (ShareGPT first turns, chat-templated, greedy,
 EOS ignored, --new-tokens each, the workload of peers.py) while the other is frozen with
 SIGSTOP, so that an idle peer's polling threads take no CPU from the one measured. Prints
-each round's total tok/s, the per-round ratio first/second and its median; writes JSON.
+each round's total tok/s (with --decode-only at --concurrency 1: the decode tok/s of one
+request, prefill left out, as peers.py's batch-1 figure), the per-round ratio first/second
+and its median; writes JSON.
 Peers are those of peers.py (same classes, same settings); a child that dies stops the run.
 """
 from __future__ import annotations
@@ -41,7 +43,10 @@ def child(a) -> None:
     peer.batch(work["prompts"][:2], 4)  # warm-up
     print("ready", flush=True)
     for line in sys.stdin:
-        print(peer.batch(work["prompts"][:int(line)], a.new_tokens), flush=True)
+        if a.decode_only:  # peers.py's batch-1 decode figure: the tokens after the first
+            print(peer.decode(work["prompts"][0], a.new_tokens), flush=True)
+        else:
+            print(peer.batch(work["prompts"][:int(line)], a.new_tokens), flush=True)
 
 
 def spawn(name: str, a, work_file: str) -> subprocess.Popen:
@@ -50,6 +55,8 @@ def spawn(name: str, a, work_file: str) -> subprocess.Popen:
            "--new-tokens", str(a.new_tokens), "--n-ctx", str(a.n_ctx), "--model", str(model)]
     if a.no_extra_bufts:
         cmd.append("--no-extra-bufts")
+    if a.decode_only:
+        cmd.append("--decode-only")
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env,
                             start_new_session=True)  # its own group: frozen and killed whole
@@ -92,6 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="as in benchmarks/peers.py: every library capped at this ISA")
     ap.add_argument("--no-extra-bufts", action="store_true",
                     help="as in benchmarks/peers.py: llama.cpp without its extra buffer types")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="with --concurrency 1: time each peer's decode alone (tokens after "
+                         "the first over their time, as benchmarks/peers.py's batch-1 "
+                         "figure), not the whole request")
     ap.add_argument("--child", choices=peers.PEERS, help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -103,6 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--peers: two or more of {', '.join(peers.PEERS)}; got {a.peers}")
         if any(p.startswith("vllm") for p in a.peers) and not (a.vllm_python and a.vllm_model):
             ap.error("--peers vllm needs --vllm-python and --vllm-model (see benchmarks/peers.py)")
+        if a.decode_only and a.concurrency != 1:
+            ap.error("--decode-only times one request: it needs --concurrency 1")
         for name in ("rounds", "concurrency", "new_tokens"):
             if getattr(a, name) < 1:
                 ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -162,6 +175,7 @@ def main(argv=None) -> None:
         summary[f"{first}/{other}"] = {"median_ratio": statistics.median(ratios), "per_round": ratios}
     machine = describe(a.threads)
     meta = {"machine": machine, "concurrency": a.concurrency, "new_tokens": a.new_tokens, "threads": a.threads,
+            "measure": "decode tok/s" if a.decode_only else "total tok/s",
             "rounds": a.rounds, "load_average": load,
             "emulated_isa": ({"isa": a.emulate_isa, "env": peers.EMULATE_ISA[a.emulate_isa]}
                              if a.emulate_isa else None),
@@ -169,7 +183,8 @@ def main(argv=None) -> None:
             "command": " ".join(["python3"] + sys.argv)}
     a.out.write_text(json.dumps({"meta": meta, "results": summary}, indent=2))
     print("\n" + header(machine))
-    print(f"{a.concurrency} concurrent, {a.new_tokens} new tokens, {a.rounds} alternating rounds")
+    print(f"{a.concurrency} concurrent, {a.new_tokens} new tokens, {a.rounds} alternating rounds, "
+          f"{meta['measure']}")
     for k, v in summary.items():
         if "median_tok_s" in v:
             print(f"  {k}: median {v['median_tok_s']:.1f} tok/s  {[round(x, 1) for x in v['samples']]}")
