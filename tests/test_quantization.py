@@ -210,3 +210,17 @@ def test_fused_decode_stack_gives_the_layer_loops_bits(chat_prompts):
     assert fused_steps and max(fused_steps) == 3
     model.fused_decode = False
     assert run(prompts[:1]) + run(prompts) == fused
+
+
+def test_fused_decode_stack_refuses_mismatched_arguments_clearly():
+    from entropic import kernels as native
+    native.load()
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, 2, 1, 64, dtype=torch.bfloat16)
+    rope = torch.zeros(1, 64, dtype=torch.bfloat16)
+    slots = torch.zeros(1, 1, dtype=torch.long)
+    op = torch.ops.entropic.decode_layers_
+    with pytest.raises(RuntimeError, match="13 weights for 2 layers, expected 14 a layer"):
+        op(x, [x] * 13, kv, slots.view(1), rope, rope, slots, None, None, 0.125, 1e-5, 1, 1)
+    with pytest.raises(RuntimeError, match=r"kv must be a contiguous \[layers"):
+        op(x, [x] * 28, kv[0], slots.view(1), rope, rope, slots, None, None, 0.125, 1e-5, 1, 1)
