@@ -316,6 +316,9 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="batch sizes, e.g. 1,4,16")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--modes", default=",".join(MODES), help="off first, e.g. off,gate")
+    ap.add_argument("--quantization", choices=("int4", "int8"), default=None,
+                    help="the model's projections (default: LLM()'s floats, fp32 on CPUs "
+                         "without bf16; int4 is the CLI's default at batch 1)")
     ap.add_argument("--llama-cpp-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.llama_cpp_child:
@@ -333,11 +336,13 @@ def main() -> None:
     if modes[0] != "off" or not set(modes) <= set(MODES):
         raise SystemExit(f"--modes must start with off and name modes from {MODES}")
     temps = tuple(float(t) for t in a.temperatures.split(","))
-    llm = LLM(model=a.model, enable_prefix_caching=False)  # rounds replay the same prompts
+    llm = LLM(model=a.model, quantization=a.quantization,
+              enable_prefix_caching=False)  # rounds replay the same prompts
     sets = workloads(llm.tokenizer, max(n, max(batches)))
     machine = describe(a.threads)
     result = {"machine": machine, "cpu": machine["cpu"], "flags": machine["flags"],
-              "threads": a.threads,
+              "threads": a.threads, "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
+              "quantization": a.quantization,
               "torch": torch.__version__, "quick": a.quick, "max_tokens": max_tokens,
               "batches": list(batches), "rounds": rounds, "modes": list(modes),
               "k": a.k, "c_of_k": verify_cost(llm), "runs": []}
