@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     llm = LLM(model=a.model, quantization="int4", max_num_seqs=max(a.batch, 4),
               enable_prefix_caching=False)  # the same prompts every round
     model = llm.engine.model
-    if not model._stack:
+    if not model.fused_decode:
         raise SystemExit("this model or CPU level has no fused decode stack (it needs "
                          "entropic's int4 linears on every projection)")
     prompts = chat_prompt_ids(llm.tokenizer, a.batch)

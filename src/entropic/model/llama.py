@@ -180,9 +180,10 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(math.sqrt(c.hidden_size), dtype=dtype, device=self.device)
                             if fam.scaled_embedding else None)
         native_ops = self.backend.native
-        # a pure decode step's layers in one native call where every layer can take it
+        # a pure decode step's layers in one native call where every layer can take it;
+        # `fused_decode` switches it (tests and benchmarks/decode_stack.py compare the loop)
         self._stack = self._decode_stack() if native_ops and self.plain_layers else None
-        self.fused_decode = self._stack is not None  # (tests turn it off to compare)
+        self.fused_decode = self._stack is not None
         self._norm = torch.ops.entropic.rms_norm if native_ops else rms_norm
         if fam.activation == "silu":
             self._act_mul = torch.ops.entropic.silu_mul if native_ops else _silu_mul
@@ -244,7 +245,8 @@ class LlamaModel:
     def _fused_group(self, meta: AttentionMetadata, rows: int):
         """The decode group if this step can run as one `decode_layers_` call: decode rows
         only, in one group in batch order, every row attending its whole context."""
-        if (not self.fused_decode or meta.prefills or meta.num_decode != rows
+        if (not self.fused_decode or self._stack is None or meta.prefills
+                or meta.num_decode != rows
                 or len(meta.decode_groups) != 1 or meta.decode_order is not None):
             return None
         g = meta.decode_groups[0]
