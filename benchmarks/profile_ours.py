@@ -8,7 +8,7 @@
     python3 benchmarks/profile_ours.py --phases stacks.txt    # phase split of those stacks
 
 Same workload as benchmarks/peers.py (ShareGPT first turns, chat-templated; greedy, EOS
-ignored), bf16, --threads torch threads. The profiler figures: wall time of the profiled call,
+ignored), the dtype LLM() picks for this CPU (--dtype), --threads torch threads. The profiler figures: wall time of the profiled call,
 the main thread's self time in each op (key_averages, sorted), and "time outside torch ops" =
 wall - sum of self times of every op recorded on the main thread (Python, the scheduler,
 tensor construction in Python, and the profiler's own overhead, which inflates it a little).
@@ -74,7 +74,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--quantization", choices=("int8", "int4"), default=None)
     ap.add_argument("--kernels", choices=("native", "torch"), default="native")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="auto: what LLM() picks for this CPU (default)")
     ap.add_argument("--phases", help="py-spy raw output to split into phases, then exit")
     add_common_args(ap, out="results/profile_ours.json", quick=None)
     a = ap.parse_args()
@@ -97,7 +98,7 @@ def main() -> None:
     machine = describe(a.threads)
     print(header(machine))
     result = {"machine": machine, "scenario": a.scenario, "new_tokens": a.new_tokens,
-              "requests": len(work), "dtype": a.dtype, "quantization": a.quantization,
+              "requests": len(work), "dtype": llm.engine.stats.dtype, "quantization": a.quantization,
               "kernels": a.kernels}
     if a.no_profiler:
         t0 = time.perf_counter()

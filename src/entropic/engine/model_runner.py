@@ -91,6 +91,7 @@ class ModelRunner:
         self.kv: KVCache = model.make_kv_cache(num_blocks, block_size, key_bounds=key_bounds)
         self.sampler = sampler or Sampler()
         self.device = model.device
+        self._block_offsets = torch.arange(block_size, dtype=torch.long, device=self.device)
         self.keep_logits = False  # tests read raw logits through this switch
         # decode rows on the native kernel (each row's own slots); a stand-in model: torch's
         self.native_decode = getattr(model, "backend", TORCH).native
@@ -117,9 +118,9 @@ class ModelRunner:
         bs = self.block_size
         decode_slots = [c.block_table[c.start_pos // bs] * bs + c.start_pos % bs for c in decodes]
         pre, pre_slots = self._prefill_chunks(prefills, offset=len(decodes))
+        slot_mapping = torch.tensor(decode_slots, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.long, device=dev),
-                                    *pre_slots]),
+            slot_mapping=torch.cat([slot_mapping, *pre_slots]) if pre_slots else slot_mapping,
             num_decode=len(decodes), decode_groups=[], prefills=pre)
         self._add_decode_groups(meta, decodes)
         ids = [t for c in chunks for t in c.token_ids]
@@ -147,8 +148,8 @@ class ModelRunner:
         nb = cdiv(length, bs)
         padded = [[max(b, 0) for b in t[:nb]] + [0] * (nb - len(t[:nb])) for t in block_tables]
         blocks = torch.tensor(padded, dtype=torch.long, device=self.device)
-        offsets = torch.arange(bs, dtype=torch.long, device=self.device)
-        return (blocks[:, :, None] * bs + offsets).view(len(block_tables), nb * bs)[:, :length]
+        slots = blocks[:, :, None] * bs + self._block_offsets
+        return slots.view(len(block_tables), nb * bs)[:, :length]
 
     def _decode_context(self, c: ScheduledChunk) -> tuple[list[int], int]:
         """The block ids a decode row reads, and how many KV positions."""
