@@ -128,6 +128,10 @@ struct Kernels {
   // given) or "int16" (each group of 32 rounded to int16 with its own scale); null where
   // there are none
   const char* quant_activations;
+  // how the int4 codes of a tile's pair of groups (128 bytes: 4 columns x 32 elements)
+  // are ordered (quant_linear.cpp): 32 (each column's 32 bytes in turn) or 4 (runs of 4
+  // bytes, column after column, for elements 4i..4i+3); 0 where there are none
+  int int4_run;
   // prefill attention of bf16 and of float32 models
   PrefillKernels prefill_bf16;
   PrefillKernels prefill_f32;

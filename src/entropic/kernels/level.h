@@ -52,11 +52,12 @@ const Kernels* ENTROPIC_LEVEL_GETTER() {
       &logit_stats_row,
       &tempered_entropy_row,
 #if defined(ENTROPIC_SIMD)
-      &int4_prepare, &int4_cols, &int8_prepare, &int8_cols, kQuantActivations,
+      &int4_prepare, &int4_cols, &int8_prepare, &int8_cols, kQuantActivations, kInt4Run,
       {kPfElemBytes, &pf_pack_block, &pf_item<bf16_bits, !kPfDotLevel>},
       {int64_t(sizeof(float)), &pf32_pack_block<float>, &pf_item<float, true>},
 #else
-      nullptr, nullptr, nullptr, nullptr, nullptr, {0, nullptr, nullptr}, {0, nullptr, nullptr},
+      nullptr, nullptr, nullptr, nullptr, nullptr, 0, {0, nullptr, nullptr},
+      {0, nullptr, nullptr},
 #endif
   };
   return &k;

@@ -4,7 +4,11 @@
 //     W in groups of 32 inputs, w = scale * q + offset, q in 0..15; codes two groups per 32
 //     bytes (byte j: element j of the even group in the low nibble, of the odd group in the
 //     high one), in tiles of 4 output columns, each tile's codes and scales contiguous;
-//     offset128 = offset - 128 * scale (the kernels read a code as 128 + q)
+//     offset128 = offset - 128 * scale (the kernels read a code as 128 + q); codes
+//     [tiles, pairs, 4, 32]: a tile's pair of groups is its 4 columns' 32 bytes in turn; at
+//     a level whose int4_run() is 4 (avx2), [tiles, pairs, 8, 4, 4] instead: the same 128
+//     bytes as 8 chunks, chunk i holding bytes 4i..4i+3 of each column, column after column
+//   int4_run() -> int                         32 or 4: which of those layouts the level reads
 //   int8_linear(x, codes, scale) -> y
 //     w = scale * (c - 128), c = q + 128 in 0..255 stored as a byte, in tiles of 4 columns
 //   int4_linear_supported() -> bool           whether the level in use has them (AVX2 or better)
@@ -37,6 +41,7 @@ void over_column_blocks(int64_t m_rows, int64_t n_cols, Cols&& cols) {
 }
 
 bool int4_linear_supported() { return active().int4_cols != nullptr; }
+int64_t int4_run() { return active().int4_run; }
 std::string quant_activations() {
   const char* f = active().quant_activations;
   return f ? f : "none";
@@ -89,6 +94,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   codes.numel() == tiles * kColTile * ((groups + 1) / 2) * 32,
               "int4_linear: codes must be contiguous uint8 [ceil(out_features / 4), "
               "ceil(groups / 2), 4, 32]");
+  const int run = active().int4_run;
+  TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
+                        : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
+                              codes.size(4) == 4,
+              "int4_linear: the ", active().name, " level reads codes of shape [tiles, pairs, ",
+              run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
+              "another level: build the linear at the level it runs at, int4_run() says which)");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == tiles * kColTile * groups,
               "int4_linear: scale must be contiguous float32 [ceil(out_features / 4), groups, 4]");
@@ -98,7 +110,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                    scale.data_ptr<float>(), offset128.data_ptr<float>(), ptr<bf16_bits>(y), m, n,
                    groups};
   const Kernels& level = active();
-  auto ws = at::empty({m * (groups + k)}, x.options().dtype(at::kFloat));
+  // (the avx2 level's is the largest: group sums, scales, and 4 int16 copies of x)
+  auto ws = at::empty({m * (2 * groups + 2 * k)}, x.options().dtype(at::kFloat));
   level.int4_prepare(a, ws.data_ptr<float>());
   over_column_blocks(m, n, [&](int64_t n0, int64_t n1) {
     level.int4_cols(a, ws.data_ptr<float>(), n0, n1);
@@ -113,6 +126,7 @@ TORCH_LIBRARY_FRAGMENT(entropic, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.def("int4_linear_supported() -> bool", &entropic_ops::int4_linear_supported);
   m.def("quant_activations() -> str", &entropic_ops::quant_activations);
+  m.def("int4_run() -> int", &entropic_ops::int4_run);
 }
 
 TORCH_LIBRARY_IMPL(entropic, CPU, m) {

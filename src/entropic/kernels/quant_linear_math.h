@@ -25,8 +25,10 @@
 constexpr int64_t kPrefetchBytes = 1024;
 #if defined(ENTROPIC_SIMD_AVX2)
 constexpr const char* kQuantActivations = "int16";  // rounded per group of 32 (below)
+constexpr int kInt4Run = 4;  // runs of 4 codes, 4 columns side by side (below)
 #else
 constexpr const char* kQuantActivations = "bf16";  // as given
+constexpr int kInt4Run = 32;  // each column's 32 codes in one run
 #endif
 
 template <int MaxRows, typename Tile>
@@ -221,7 +223,9 @@ constexpr int kQuantRowTile = W == 16 ? 4 : 2;
 // A group whose sum is not finite gets dx = NaN, so a NaN or an infinity in x reaches y.
 // int8 rounds its activations the same way (below).
 //
-// ws = [xsum: m * groups][dx: m * groups][xq: m * groups * 32 int16]
+// ws = [xsum: m * groups][dx: m * groups][xq: m * groups * 128 int16]: each group's 32
+// rounded activations as 8 chunks of 4, each chunk 4 times over (what int4_tile multiplies
+// the 4 columns of a chunk of codes with, read from memory instead of broadcast per tile)
 
 // (F: float or const float, the workspace as the caller holds it)
 template <typename F>
@@ -230,6 +234,22 @@ template <typename F>
 auto int4_xq(const Int4Args& a, F* ws) {
   using I = std::conditional_t<std::is_const_v<F>, const int16_t, int16_t>;
   return reinterpret_cast<I*>(ws + 2 * a.m_rows * a.groups);
+}
+
+// Keeps v in a register as it is at this point: GCC re-associates a chain of integer adds
+// into a tree whose partial sums spill to the stack (exact either way: only the registers
+// differ).
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+// 4 int16 activations (8 bytes) in every 64-bit lane
+inline __m256i broadcast4(const int16_t* x) {
+  return _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+}
+inline __m256i load_i16(const int16_t* x) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+}
+// the 4 floats at s as [s0, s0, s1, s1, s2, s2, s3, s3]
+inline __m256 scale_pairs(const float* s, __m256i halves) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s)), halves);
 }
 
 // One group of 32 activations to int16: dx = max|x| / 32767 and xq = round-half-even(x / dx),
@@ -268,13 +288,18 @@ void int4_prepare(const Int4Args& a, float* ws) {
   int4_group_sums(a, ws);
   float* dx = int4_dx(a, ws);
   int16_t* xq = int4_xq(a, ws);
+  alignas(32) int16_t group[32];
   for (int64_t m = 0; m < a.m_rows; ++m)
-    for (int64_t g = 0; g < a.groups; ++g)
-      quantize_group32(a.x + m * a.x_stride + g * 32, dx + m * a.groups + g,
-                       xq + (m * a.groups + g) * 32);
+    for (int64_t g = 0; g < a.groups; ++g) {
+      quantize_group32(a.x + m * a.x_stride + g * 32, dx + m * a.groups + g, group);
+      int16_t* out = xq + (m * a.groups + g) * 128;
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 16), broadcast4(group + i * 4));
+    }
 }
 
 // One group's 32 products of 16-bit codes (c0: elements 0-15, c1: 16-31) with xg, as fp32
+// lanes (the int8 tile's)
 inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
   const __m256i p0 =
       _mm256_madd_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
@@ -283,27 +308,36 @@ inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
 }
 
+// The codes of a tile's pair of groups come in 8 chunks of 16 bytes (int4_run 4): chunk i
+// holds elements 4i..4i+3 of each of the 4 columns, column after column. Widened to 16 bits,
+// a chunk meets the 4 activations 4i..4i+3 broadcast 4 times, so one VPMADDWD serves all
+// 4 columns: int32 lane 2c + h sums column c's elements 4i + 2h and 4i + 2h + 1. Over the 8
+// chunks a lane sums 16 of the group's 32 products, exactly; each group then costs one
+// conversion, one scaling and one FMA for the whole tile (per column, as the 32-byte column
+// runs needed, 4 of each), and an accumulator lane holds one half of one column.
 template <int MT>
 void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   constexpr int NT = kColTile;
   const int64_t groups = a.groups;
   // each row's activations, scales and group sums, hoisted: read through `a` in the loop,
-  // they would be reloaded and recomputed for every column (the compiler cannot tell that
-  // the stores of the accumulators leave `a` alone)
+  // they would be reloaded for every chunk (the compiler cannot tell that the stores of the
+  // accumulators leave `a` alone)
   const int16_t* xr[MT];
   const float* dr[MT];
   const float* sr[MT];
   for (int t = 0; t < MT; ++t) {
-    xr[t] = int4_xq(a, ws) + (m0 + t) * groups * 32;
+    xr[t] = int4_xq(a, ws) + (m0 + t) * groups * 128;
     dr[t] = int4_dx(a, ws) + (m0 + t) * groups;
     sr[t] = ws + (m0 + t) * groups;  // xsum
   }
   const __m256i low4 = _mm256_set1_epi16(0x000f);
-  __m256 acc[NT][MT];
+  const __m256i halves = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // lane 2c + h: column c
+  __m256 acc[MT];
   __m128 off[MT];  // the 4 columns' sum over groups of scale * xsum (times 128 at the end)
-  for (int c = 0; c < NT; ++c)
-    for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
-  for (int t = 0; t < MT; ++t) off[t] = _mm_setzero_ps();
+  for (int t = 0; t < MT; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    off[t] = _mm_setzero_ps();
+  }
   const int64_t tile = n0 / NT;
   const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
   const float* sb = a.scale + tile * a.groups * NT;
@@ -312,37 +346,38 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   const auto step = [&](int64_t g, auto pair_tag) {
     constexpr bool kPair = decltype(pair_tag)::value;
     const float* s = sb + g * NT;
-    __m256 dx0[MT], dx1[MT];
-    for (int t = 0; t < MT; ++t) {
-      dx0[t] = _mm256_broadcast_ss(dr[t] + g);
-      off[t] = _mm_fmadd_ps(_mm_loadu_ps(s), _mm_set1_ps(sr[t][g]), off[t]);
-      if constexpr (kPair) {
-        dx1[t] = _mm256_broadcast_ss(dr[t] + g + 1);
-        off[t] = _mm_fmadd_ps(_mm_loadu_ps(s + NT), _mm_set1_ps(sr[t][g + 1]), off[t]);
-      }
-    }
     const uint8_t* run = cb + g / 2 * NT * 32;
-#pragma GCC unroll 4  // the accumulators stay in registers only if c and t are constants
-    for (int c = 0; c < NT; ++c) {
-      // byte j: element j of group g in the low nibble, of group g + 1 in the high one;
-      // widened to 16 bits, the low nibble is (u & 15), the high one u >> 4
-      const __m256i u0 = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + c * 32)));
-      const __m256i u1 = _mm256_cvtepu8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + c * 32 + 16)));
-      const __m256i a0 = _mm256_and_si256(u0, low4), a1 = _mm256_and_si256(u1, low4);
+    __m256i lo[MT], hi[MT];
+    for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // the accumulators stay in registers only if i and t are constants
+    for (int i = 0; i < 8; ++i) {
+      // byte 4c + e of chunk i: element 4i + e of column c, group g in the low nibble,
+      // group g + 1 in the high one; widened to 16 bits, (u & 15) and u >> 4
+      const __m256i u =
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + i * 16)));
+      const __m256i u0 = _mm256_and_si256(u, low4);
 #pragma GCC unroll 4
       for (int t = 0; t < MT; ++t) {
-        // (the scale of column c broadcast from the weights' own array, not from a copy
-        // made in this loop, which would be read back through store forwarding)
-        const int16_t* xg = xr[t] + g * 32;
-        acc[c][t] = _mm256_fmadd_ps(dot_group16(a0, a1, xg),
-                                    _mm256_mul_ps(_mm256_broadcast_ss(s + c), dx0[t]),
-                                    acc[c][t]);
+        const int16_t* xg = xr[t] + g * 128 + i * 16;
+        lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(u0, load_i16(xg)));
         if constexpr (kPair)
-          acc[c][t] = _mm256_fmadd_ps(
-              dot_group16(_mm256_srli_epi16(u0, 4), _mm256_srli_epi16(u1, 4), xg + 32),
-              _mm256_mul_ps(_mm256_broadcast_ss(s + NT + c), dx1[t]), acc[c][t]);
+          hi[t] = _mm256_add_epi32(
+              hi[t], _mm256_madd_epi16(_mm256_srli_epi16(u, 4), load_i16(xg + 128)));
+        pin(lo[t]);
+        pin(hi[t]);
+      }
+    }
+    // each column's scale in both of its lanes
+    const __m256 s0 = scale_pairs(s, halves);
+    const __m256 s1 = kPair ? scale_pairs(s + NT, halves) : s0;
+    for (int t = 0; t < MT; ++t) {
+      off[t] = _mm_fmadd_ps(_mm_loadu_ps(s), _mm_set1_ps(sr[t][g]), off[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[t]),
+                               _mm256_mul_ps(s0, _mm256_broadcast_ss(dr[t] + g)), acc[t]);
+      if constexpr (kPair) {
+        off[t] = _mm_fmadd_ps(_mm_loadu_ps(s + NT), _mm_set1_ps(sr[t][g + 1]), off[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[t]),
+                                 _mm256_mul_ps(s1, _mm256_broadcast_ss(dr[t] + g + 1)), acc[t]);
       }
     }
   };
@@ -353,10 +388,12 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   }
   if (paired < groups) step(paired, std::false_type{});
   for (int t = 0; t < MT; ++t) {
+    alignas(32) float h[2 * NT];
+    _mm256_store_ps(h, acc[t]);
     alignas(16) float o[NT];
     _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
     for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {  // padding columns are not stored
-      const float v = reduce8(acc[c][t]) + o[c] +
+      const float v = (h[2 * c] + h[2 * c + 1]) + o[c] +
                       offsets_dot(a.offset + (n0 + c) * groups, sr[t], groups);
       bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
       store(out, round_to(v, out));

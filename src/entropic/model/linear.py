@@ -200,7 +200,12 @@ class NativeInt4Linear(Linear):
         # each tile's data contiguous: [tiles, pairs, 4, 32] bytes and [tiles, groups, 4]
         pad = -n % 4
         codes = F.pad(blocks.pack_group_pairs(), (0, 0, 0, pad))
-        self.weight = codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2).contiguous()
+        codes = codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2)  # [tiles, pairs, 4, 32]
+        if torch.ops.entropic.int4_run() == 4:
+            # the avx2 level reads each pair of groups as 8 chunks of 4 bytes a column,
+            # the 4 columns side by side: [tiles, pairs, 8, 4, 4] (quant_linear.cpp)
+            codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
+        self.weight = codes.contiguous()
         scale = F.pad(blocks.scale.float(), (0, 0, 0, pad))
         self.scale = scale.view(-1, 4, scale.shape[1]).transpose(1, 2).contiguous()
         self._numel = n * k
