@@ -90,8 +90,10 @@ INT4_AUTO_MAX_SEQS = {
     # prefills, which hid int4's slower prefill: avx512's 8 is not yet re-measured without it)
     # A real AVX2 EPYC, 2026-12-07, in alternation with the cache off (benchmarks/
     # peers_alternating.py, 4 rounds, 64 new tokens): int4 2.8x fp32 at 2, 1.5x at 4 (every
-    # round), 0.91x at 8 (rounds 0.84-1.06)
-    "avx2": 4,
+    # round), 0.91x at 8 (rounds 0.84-1.06); with the fused decode stack and the 4-column
+    # int4 tile (same CPU, later that day): 1.32x at 8 (every round 1.30-1.49x), 1.03x at 16
+    # (rounds 0.91-1.17x: level)
+    "avx2": 8,
 }
 
 
