@@ -28,7 +28,7 @@ def test_levels_follow_the_cpu_and_the_best_is_chosen():
     assert tuple(LEVELS[:-1]) == kernels.cpu_levels()  # every level this CPU runs is built
     if not os.environ.get("ENTROPIC_ISA"):
         assert kernels.isa() == LEVELS[0]
-    flags = "flags : fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512dq"
+    flags = "flags : fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq"
     if kernels.cpu_levels(flags):  # an x86-64 machine: the levels follow the flags
         assert kernels.cpu_levels(flags) == ("avx512", "avx2")
         assert kernels.cpu_levels(flags + " avx512_bf16") == ("avx512bf16", "avx512", "avx2")
@@ -36,6 +36,7 @@ def test_levels_follow_the_cpu_and_the_best_is_chosen():
             "amx", "avx512bf16", "avx512", "avx2")
         assert kernels.cpu_levels(flags + " amx_tile amx_bf16") == ("avx512", "avx2")
         assert kernels.cpu_levels("flags : fpu sse2 avx") == ()
+        assert kernels.cpu_levels("flags : fpu sse2 avx avx2 fma") == ()  # no F16C
 
 
 def test_a_lower_level_can_be_forced_and_bad_ones_are_refused():

@@ -223,15 +223,25 @@ def _int16_reference(x, blocks):
     return xr @ codes.T + xg.double().sum(-1) @ blocks.offset.double().T
 
 
+@pytest.mark.parametrize("half", [False, True])  # fp32 scales, or fp16 ones (GGUF-like)
 @pytest.mark.parametrize("shape", [(960, 576), (66, 608), (3, 1536)])  # N % 4, odd groups
 def test_native_int4_linear_matches_dequantized_weights_and_is_batch_invariant(vector_isa,
-                                                                            shape):
+                                                                            shape, half):
     from entropic.model.linear import NativeInt4Linear
-    from entropic.model.quant import quantize_int4
+    from entropic.model.quant import Int4Blocks, quantize_int4
     n, k = shape
     g = _gen(n)
     blocks = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
-    lin = NativeInt4Linear(blocks, bias=torch.randn(n, generator=g).bfloat16())
+    bias = torch.randn(n, generator=g).bfloat16()
+    if half:  # scales and offsets exact in fp16, as a GGUF's Q4_0/Q4_1
+        blocks = Int4Blocks(blocks.q, blocks.scale.half().float(), blocks.offset.half().float())
+        if E.int4_run() != 4:  # only the avx2 level reads fp16 scales
+            with pytest.raises(ValueError, match="half_scales=True needs the avx2 level"):
+                NativeInt4Linear(blocks, bias=bias, half_scales=True)
+            assert not NativeInt4Linear(blocks).half_scales
+            return
+    lin = NativeInt4Linear(blocks, bias=bias, half_scales=half)
+    assert lin.scale.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(9, k, generator=g).bfloat16()
     x[3, :32] = 0  # a group of zeros (no scale to take at 8 bits)
     y = lin(x)
@@ -298,6 +308,22 @@ def test_native_quantized_activations_are_what_the_level_says(vector_isa):
 
 
 def test_native_quantized_kernels_reject_bad_shapes(vector_isa):
+    from entropic.model.linear import NativeInt4Linear
+    from entropic.model.quant import quantize_int4
+    lin = NativeInt4Linear(quantize_int4(torch.randn(16, 576, generator=_gen(3))))
+    x = torch.zeros(1, 576, dtype=torch.bfloat16)
+    half = lin.scale.half()
+    if E.int4_run() == 4:  # fp16 scales need fp16 offsets (the offsets themselves)
+        with pytest.raises(RuntimeError, match="offset must be a contiguous float16"):
+            E.int4_linear(x, lin.weight, half, lin.offsets)
+    else:
+        with pytest.raises(RuntimeError, match="fp16 scales are read at the avx2 level only"):
+            E.int4_linear(x, lin.weight, half, lin.offsets.half())
+    # codes packed for the other layout
+    other = (lin.weight.view(4, 9, 4, 32) if E.int4_run() == 4
+             else lin.weight.view(4, 9, 4, 8, 4).transpose(2, 3).contiguous())
+    with pytest.raises(RuntimeError, match="packed for another level"):
+        E.int4_linear(x, other, lin.scale, lin.offsets)
     codes = torch.zeros(4, 9, 4, 32, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         E.int4_linear(torch.zeros(1, 100, dtype=torch.bfloat16), codes,

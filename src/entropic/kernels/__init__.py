@@ -8,7 +8,7 @@ work between threads; the math is in `*_math.h`, compiled once per ISA level (`i
     amx          avx512bf16, with prefill attention's products on AMX-BF16 tiles
     avx512bf16   AVX-512 with bf16 dot products (VDPBF16PS)
     avx512       AVX-512 F/BW/VL/DQ, fp32 FMA
-    avx2         AVX2 + FMA, fp32 FMA
+    avx2         AVX2 + FMA (+ F16C), fp32 FMA
     generic      plain C++; no int4/int8 linear and no prefill attention (torch's run instead)
 
 Each level is its own translation unit (`level_<name>.cpp`) compiled for exactly its
@@ -45,10 +45,11 @@ KERNEL_CHOICES = ("native", "torch")
 ISA_LEVELS = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first
 # /proc/cpuinfo flags each level needs (x86-64)
 _LEVEL_CPU_FLAGS = {
-    "avx2": {"avx2", "fma"},
-    "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
-    "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+    "avx2": {"avx2", "fma", "f16c"},
+    "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "avx512bf16": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                   "avx512_bf16"},
+    "amx": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
             "amx_tile", "amx_bf16"},
 }
 

@@ -52,6 +52,10 @@ struct Int4Args {
   const float* offset;  // offset128
   bf16_bits* y;
   int64_t m_rows, n_cols, groups;
+  // or (avx2 only, scale and offset null): fp16 scales [tiles, groups, 4] and the offsets
+  // themselves (not offset128) as fp16 [out_features, groups], where they are exact in fp16
+  const uint16_t* scale16;
+  const uint16_t* offset16;
 };
 
 // Weight-only int8 linear, one scale per output column.

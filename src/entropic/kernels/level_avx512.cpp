@@ -1,6 +1,6 @@
 // The avx512 level: AVX-512 F/BW/VL/DQ, no BF16 (Skylake-SP, Cascade Lake, Ice Lake).
 #if defined(ENTROPIC_BUILD_AVX512) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
 #define ENTROPIC_LEVEL_BUILT 1
 #endif
 #define ENTROPIC_LEVEL_NAME "avx512"

@@ -8,6 +8,9 @@
 //     [tiles, pairs, 4, 32]: a tile's pair of groups is its 4 columns' 32 bytes in turn; at
 //     a level whose int4_run() is 4 (avx2), [tiles, pairs, 8, 4, 4] instead: the same 128
 //     bytes as 8 chunks, chunk i holding bytes 4i..4i+3 of each column, column after column
+//     At the avx2 level scale may be float16 instead (same shape), offset128 then being the
+//     offsets themselves as float16 [out_features, groups]: for weights whose scales and
+//     offsets are exact in fp16 (a GGUF's Q4_0/Q4_1), a sixth fewer bytes to read
 //   int4_run() -> int                         32 or 4: which of those layouts the level reads
 //   int8_linear(x, codes, scale) -> y
 //     w = scale * (c - 128), c = q + 128 in 0..255 stored as a byte, in tiles of 4 columns
@@ -86,29 +89,39 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                        const at::Tensor& offset128) {
   const int64_t k = check_activations(x, "int4_linear");
   const int64_t groups = k / 32;
-  TORCH_CHECK(offset128.scalar_type() == at::kFloat && offset128.is_contiguous() &&
-                  offset128.dim() == 2 && offset128.size(1) == groups,
-              "int4_linear: offset must be a contiguous float32 [out_features, in_features / 32]");
+  const bool half = scale.scalar_type() == at::kHalf;
+  const int run = active().int4_run;
+  TORCH_CHECK(!half || run == 4, "int4_linear: fp16 scales are read at the avx2 level only, "
+              "the level in use is ", active().name, " (build the linear at the level it runs at)");
+  TORCH_CHECK(offset128.scalar_type() == (half ? at::kHalf : at::kFloat) &&
+                  offset128.is_contiguous() && offset128.dim() == 2 && offset128.size(1) == groups,
+              "int4_linear: offset must be a contiguous ", half ? "float16" : "float32",
+              " [out_features, in_features / 32] (with fp16 scales the offsets themselves, "
+              "else offset - 128 * scale)");
   const int64_t n = offset128.size(0), tiles = (n + kColTile - 1) / kColTile;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.numel() == tiles * kColTile * ((groups + 1) / 2) * 32,
               "int4_linear: codes must be contiguous uint8 [ceil(out_features / 4), "
               "ceil(groups / 2), 4, 32]");
-  const int run = active().int4_run;
   TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
                         : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
                               codes.size(4) == 4,
               "int4_linear: the ", active().name, " level reads codes of shape [tiles, pairs, ",
               run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
               "another level: build the linear at the level it runs at, int4_run() says which)");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+  TORCH_CHECK((half || scale.scalar_type() == at::kFloat) && scale.is_contiguous() &&
                   scale.numel() == tiles * kColTile * groups,
-              "int4_linear: scale must be contiguous float32 [ceil(out_features / 4), groups, 4]");
+              "int4_linear: scale must be contiguous float32 (or float16 at the avx2 level) "
+              "[ceil(out_features / 4), groups, 4]");
   auto y = at::empty({x.size(0), n}, x.options());
   const int64_t m = x.size(0);
+  const auto half_ptr = [](const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>());
+  };
   const Int4Args a{ptr<bf16_bits>(x), x.stride(0), codes.data_ptr<uint8_t>(), (groups + 1) / 2 * 32,
-                   scale.data_ptr<float>(), offset128.data_ptr<float>(), ptr<bf16_bits>(y), m, n,
-                   groups};
+                   half ? nullptr : scale.data_ptr<float>(),
+                   half ? nullptr : offset128.data_ptr<float>(), ptr<bf16_bits>(y), m, n, groups,
+                   half ? half_ptr(scale) : nullptr, half ? half_ptr(offset128) : nullptr};
   const Kernels& level = active();
   // (the avx2 level's is the largest: group sums, scales, and 4 int16 copies of x)
   auto ws = at::empty({m * (2 * groups + 2 * k)}, x.options().dtype(at::kFloat));

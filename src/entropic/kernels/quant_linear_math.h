@@ -315,8 +315,38 @@ inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
 // chunks a lane sums 16 of the group's 32 products, exactly; each group then costs one
 // conversion, one scaling and one FMA for the whole tile (per column, as the 32-byte column
 // runs needed, 4 of each), and an accumulator lane holds one half of one column.
-template <int MT>
-void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
+// the 4 fp16 numbers at s as [s0, s0, s1, s1, s2, s2, s3, s3]
+inline __m256 half_pairs(const uint16_t* s, __m256i halves) {
+  return _mm256_permutevar8x32_ps(
+      _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))),
+      halves);
+}
+// The fp16 path's prefetch: the codes as prefetch_int4_pair, the scales (8 bytes a group) as
+// many groups ahead
+inline void prefetch_int4_pair_half(const uint8_t* cb, const uint16_t* hs, int64_t g) {
+  const char* codes = reinterpret_cast<const char*>(cb + (g / 2 * kColTile) * 32);
+  _mm_prefetch(codes + kPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(codes + kPrefetchBytes + 64, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(hs + g * kColTile) + kPrefetchBytes / 8,
+               _MM_HINT_T0);
+}
+// The fp16 offsets (themselves, not offset128) against the group sums
+inline float offsets_dot_half(const uint16_t* on, const float* xs, int64_t groups) {
+  __m256 o = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(on + g))),
+                        _mm256_loadu_ps(xs + g), o);
+  float r = reduce8(o);
+  for (; g < groups; ++g) r = std::fma(_cvtsh_ss(on[g]), xs[g], r);
+  return r;
+}
+
+// Half: fp16 scales [tiles, groups, 4] and offsets [n, groups] (a.scale16, a.offset16), where
+// a GGUF's Q4_0/Q4_1 values are exact: 5 bytes of weights a group of 32 and column instead of
+// 6. The sum is then scale * dx * (codes . xq) + offset * sum(x), without the offset128 form.
+template <int MT, bool Half>
+void int4_tile_as(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   constexpr int NT = kColTile;
   const int64_t groups = a.groups;
   // each row's activations, scales and group sums, hoisted: read through `a` in the loop,
@@ -340,12 +370,12 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   }
   const int64_t tile = n0 / NT;
   const uint8_t* cb = a.codes + tile * a.row_bytes * NT;
-  const float* sb = a.scale + tile * a.groups * NT;
+  const float* sb = Half ? nullptr : a.scale + tile * a.groups * NT;
+  const uint16_t* hs = Half ? a.scale16 + tile * a.groups * NT : nullptr;
   // One pair of groups (g, g + 1), or the last group alone (Pair false): no branch inside,
   // so that the accumulators stay in registers.
   const auto step = [&](int64_t g, auto pair_tag) {
     constexpr bool kPair = decltype(pair_tag)::value;
-    const float* s = sb + g * NT;
     const uint8_t* run = cb + g / 2 * NT * 32;
     __m256i lo[MT], hi[MT];
     for (int t = 0; t < MT; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
@@ -368,14 +398,23 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
       }
     }
     // each column's scale in both of its lanes
-    const __m256 s0 = scale_pairs(s, halves);
-    const __m256 s1 = kPair ? scale_pairs(s + NT, halves) : s0;
+    __m256 s0, s1;
+    if constexpr (Half) {
+      s0 = half_pairs(hs + g * NT, halves);
+      s1 = kPair ? half_pairs(hs + (g + 1) * NT, halves) : s0;
+    } else {
+      s0 = scale_pairs(sb + g * NT, halves);
+      s1 = kPair ? scale_pairs(sb + (g + 1) * NT, halves) : s0;
+    }
     for (int t = 0; t < MT; ++t) {
-      off[t] = _mm_fmadd_ps(_mm_loadu_ps(s), _mm_set1_ps(sr[t][g]), off[t]);
+      if constexpr (!Half)
+        off[t] = _mm_fmadd_ps(_mm_loadu_ps(sb + g * NT), _mm_set1_ps(sr[t][g]), off[t]);
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[t]),
                                _mm256_mul_ps(s0, _mm256_broadcast_ss(dr[t] + g)), acc[t]);
       if constexpr (kPair) {
-        off[t] = _mm_fmadd_ps(_mm_loadu_ps(s + NT), _mm_set1_ps(sr[t][g + 1]), off[t]);
+        if constexpr (!Half)
+          off[t] = _mm_fmadd_ps(_mm_loadu_ps(sb + (g + 1) * NT), _mm_set1_ps(sr[t][g + 1]),
+                                off[t]);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[t]),
                                  _mm256_mul_ps(s1, _mm256_broadcast_ss(dr[t] + g + 1)), acc[t]);
       }
@@ -383,7 +422,10 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   };
   const int64_t paired = groups / 2 * 2;
   for (int64_t g = 0; g < paired; g += 2) {
-    prefetch_int4_pair(cb, sb, g);
+    if constexpr (Half)
+      prefetch_int4_pair_half(cb, hs, g);
+    else
+      prefetch_int4_pair(cb, sb, g);
     step(g, std::true_type{});
   }
   if (paired < groups) step(paired, std::false_type{});
@@ -393,12 +435,23 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
     alignas(16) float o[NT];
     _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
     for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {  // padding columns are not stored
-      const float v = (h[2 * c] + h[2 * c + 1]) + o[c] +
-                      offsets_dot(a.offset + (n0 + c) * groups, sr[t], groups);
+      const float v =
+          Half ? (h[2 * c] + h[2 * c + 1]) +
+                     offsets_dot_half(a.offset16 + (n0 + c) * groups, sr[t], groups)
+               : (h[2 * c] + h[2 * c + 1]) + o[c] +
+                     offsets_dot(a.offset + (n0 + c) * groups, sr[t], groups);
       bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
       store(out, round_to(v, out));
     }
   }
+}
+
+template <int MT>
+void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
+  if (a.scale16 != nullptr)
+    int4_tile_as<MT, true>(a, ws, m0, n0);
+  else
+    int4_tile_as<MT, false>(a, ws, m0, n0);
 }
 
 #else  // avx512: fp32 FMA, in VDPBF16PS's order

@@ -183,31 +183,48 @@ class NativeInt4Linear(Linear):
     a group is one dot product with exact products and fp32 sums (one AVX512-BF16 instruction,
     or the same fused multiply-adds in fp32 on AVX-512 without bf16); at the AVX2 level the
     codes meet the activations rounded to int16 per group of 32 in exact integer dot products
-    (`torch.ops.entropic.quant_activations()` says which). Scale and offset stay fp32 (a
-    GGUF's fp16 values exactly). Each output is summed in a fixed order, so a row's result
+    (`torch.ops.entropic.quant_activations()` says which). Scale and offset are fp32 (a
+    GGUF's fp16 values exactly), or at the AVX2 level fp16 where that is exact
+    (`half_scales`). Each output is summed in a fixed order, so a row's result
     does not depend on the other rows of the call."""
 
-    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None,
+                 half_scales: bool | None = None) -> None:
         n, k = blocks.shape
         if k % 32:
             raise ValueError(f"the native int4 kernel needs in_features ({k}) to be a "
                              f"multiple of 32")
         self.out_features, self.in_features = n, k
         self.bias = bias
-        # the kernel reads each code as the bf16 number 128 + q: take 128 * scale off here
-        self.offset128 = (blocks.offset.float() - 128 * blocks.scale.float()).contiguous()
+        avx2 = torch.ops.entropic.int4_run() == 4
+        # fp16 scales and offsets (avx2 only): where they are exact in fp16, as a GGUF's
+        # Q4_0/Q4_1 are, 5 bytes of weights per group of 32 and column instead of 6.
+        # `half_scales` None: where exact; True: required (error if not exact); False: never.
+        exact = avx2 and all(bool((v.float().half().float() == v.float()).all())
+                             for v in (blocks.scale, blocks.offset))
+        if half_scales and not exact:
+            raise ValueError("half_scales=True needs the avx2 level and scales and offsets "
+                             "that are exact in float16")
+        self.half_scales = exact if half_scales is None else bool(half_scales)
+        pad = -n % 4
+        if self.half_scales:
+            # the offsets themselves (the avx2 kernel multiplies the codes as they are)
+            self.offsets = blocks.offset.half().contiguous()
+        else:
+            # the kernel reads each code as the bf16 number 128 + q: take 128 * scale off here
+            self.offsets = (blocks.offset.float() - 128 * blocks.scale.float()).contiguous()
         # codes and scales in tiles of 4 output columns (zero columns pad the last tile),
         # each tile's data contiguous: [tiles, pairs, 4, 32] bytes and [tiles, groups, 4]
-        pad = -n % 4
         codes = F.pad(blocks.pack_group_pairs(), (0, 0, 0, pad))
         codes = codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2)  # [tiles, pairs, 4, 32]
-        if torch.ops.entropic.int4_run() == 4:
+        if avx2:
             # the avx2 level reads each pair of groups as 8 chunks of 4 bytes a column,
             # the 4 columns side by side: [tiles, pairs, 8, 4, 4] (quant_linear.cpp)
             codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
         self.weight = codes.contiguous()
         scale = F.pad(blocks.scale.float(), (0, 0, 0, pad))
-        self.scale = scale.view(-1, 4, scale.shape[1]).transpose(1, 2).contiguous()
+        scale = scale.view(-1, 4, scale.shape[1]).transpose(1, 2)
+        self.scale = (scale.half() if self.half_scales else scale).contiguous()
         self._numel = n * k
 
     @property
@@ -215,7 +232,7 @@ class NativeInt4Linear(Linear):
         return self._numel + (self.bias.numel() if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.entropic.int4_linear(x, self.weight, self.scale, self.offset128)
+        y = torch.ops.entropic.int4_linear(x, self.weight, self.scale, self.offsets)
         return y if self.bias is None else y.add_(self.bias)
 
 

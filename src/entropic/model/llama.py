@@ -239,7 +239,7 @@ class LlamaModel:
                 return None
             stack += [w.in_norm, w.post_norm]
             for p in linears:
-                stack += [p.weight, p.scale, p.offset128]
+                stack += [p.weight, p.scale, p.offsets]
         return stack
 
     def _fused_group(self, meta: AttentionMetadata, rows: int):
