@@ -12,6 +12,7 @@
 //     offsets themselves as float16 [out_features, groups]: for weights whose scales and
 //     offsets are exact in fp16 (a GGUF's Q4_0/Q4_1), a sixth fewer bytes to read
 //   int4_run() -> int                         32 or 4: which of those layouts the level reads
+//                                             (int8's codes, a group per 128 bytes, likewise)
 //   int8_linear(x, codes, scale) -> y
 //     w = scale * (c - 128), c = q + 128 in 0..255 stored as a byte, in tiles of 4 columns
 //   int4_linear_supported() -> bool           whether the level in use has them (AVX2 or better)
@@ -72,12 +73,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   codes.numel() == tiles * kColTile * k,
               "int8_linear: codes must be contiguous uint8 [ceil(out_features / 4), "
               "in_features / 32, 4, 32]");
+  const int run = active().int4_run;
+  TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
+                        : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
+                              codes.size(4) == 4,
+              "int8_linear: the ", active().name, " level reads codes of shape [tiles, groups, ",
+              run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
+              "another level: build the linear at the level it runs at, int4_run() says which)");
   auto y = at::empty({x.size(0), n}, x.options());
   const int64_t m = x.size(0);
   const Int8Args a{ptr<bf16_bits>(x), x.stride(0), codes.data_ptr<uint8_t>(),
                    scale.data_ptr<float>(), ptr<bf16_bits>(y), m, n, k};
   const Kernels& level = active();
-  auto ws = at::empty({m * (k + 1)}, x.options().dtype(at::kFloat));
+  // (the avx2 level's is the largest: scales and 4 int16 copies of x)
+  auto ws = at::empty({m * (2 * k + k / 32 + 1)}, x.options().dtype(at::kFloat));
   level.int8_prepare(a, ws.data_ptr<float>());
   over_column_blocks(m, n, [&](int64_t n0, int64_t n1) {
     level.int8_cols(a, ws.data_ptr<float>(), n0, n1);

@@ -298,16 +298,6 @@ void int4_prepare(const Int4Args& a, float* ws) {
     }
 }
 
-// One group's 32 products of 16-bit codes (c0: elements 0-15, c1: 16-31) with xg, as fp32
-// lanes (the int8 tile's)
-inline __m256 dot_group16(__m256i c0, __m256i c1, const int16_t* xg) {
-  const __m256i p0 =
-      _mm256_madd_epi16(c0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
-  const __m256i p1 =
-      _mm256_madd_epi16(c1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
-}
-
 // The codes of a tile's pair of groups come in 8 chunks of 16 bytes (int4_run 4): chunk i
 // holds elements 4i..4i+3 of each of the 4 columns, column after column. Widened to 16 bits,
 // a chunk meets the 4 activations 4i..4i+3 broadcast 4 times, so one VPMADDWD serves all
@@ -528,15 +518,15 @@ void int4_tile(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
 #endif
 
 #if defined(ENTROPIC_SIMD_AVX2)
-// The 4-column tile holds 3 registers a row (4 with fp32 scales' offsets): 4 rows about fit
-// the 16 registers, and every 4 rows read the codes once instead of every 2.
-constexpr int kInt4RowTile = 4;
+// The 4-column tiles hold 3 registers a row for int4 (4 with fp32 scales' offsets), 2 for
+// int8: 4 rows about fit the 16 registers, and every 4 rows read the codes once, not every 2.
+constexpr int kIntRowTile = 4;
 #else
-constexpr int kInt4RowTile = kQuantRowTile;
+constexpr int kIntRowTile = kQuantRowTile;
 #endif
 
 void int4_cols(const Int4Args& a, const float* ws, int64_t n_begin, int64_t n_end) {
-  over_row_tiles<kInt4RowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
+  over_row_tiles<kIntRowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
     int4_tile<decltype(mt)::value>(a, ws, m0, n0);
   });
 }
@@ -544,15 +534,24 @@ void int4_cols(const Int4Args& a, const float* ws, int64_t n_begin, int64_t n_en
 #if defined(ENTROPIC_SIMD_AVX2)
 
 // int8 at AVX2: the activations rounded to int16 per group of 32 as for int4; a code c
-// meets them as the 16-bit number c - 128 (VPMADDWD, exact).
-// ws = [dx: m * k / 32][xq: m * k int16]
+// meets them as the 16-bit number c - 128 (VPMADDWD, exact products and int32 sums). The
+// codes of a tile's group (128 bytes) come in the int4 tile's order (int4_run 4): 8 chunks
+// of 4 bytes a column, the 4 columns side by side, so one VPMADDWD serves the 4 columns
+// against the activations prepared 4 times over, and a lane sums 16 of the group's 32
+// products (up to 2^26: the conversion to fp32 rounds above 2^24, one rounding like the
+// FMA's). 2 registers a row: tiles of up to 4 rows.
+// ws = [dx: m * k / 32][xq: m * k / 32 * 128 int16]
 void int8_prepare(const Int8Args& a, float* ws) {
   const int64_t groups = a.k / 32;
   int16_t* xq = reinterpret_cast<int16_t*>(ws + a.m_rows * groups);
+  alignas(32) int16_t group[32];
   for (int64_t m = 0; m < a.m_rows; ++m)
-    for (int64_t g = 0; g < groups; ++g)
-      quantize_group32(a.x + m * a.x_stride + g * 32, ws + m * groups + g,
-                       xq + (m * groups + g) * 32);
+    for (int64_t g = 0; g < groups; ++g) {
+      quantize_group32(a.x + m * a.x_stride + g * 32, ws + m * groups + g, group);
+      int16_t* out = xq + (m * groups + g) * 128;
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 16), broadcast4(group + i * 4));
+    }
 }
 
 template <int MT>
@@ -562,33 +561,37 @@ void int8_tile(const Int8Args& a, const float* ws, int64_t m0, int64_t n0) {
   const float* dx = ws;
   const int16_t* xq = reinterpret_cast<const int16_t*>(ws + a.m_rows * groups);
   const __m256i bias = _mm256_set1_epi16(128);
-  __m256 acc[NT][MT];
-  for (int c = 0; c < NT; ++c)
-    for (int t = 0; t < MT; ++t) acc[c][t] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
   const uint8_t* cb = a.codes + (n0 / NT) * NT * k;
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(cb + g * NT * 32 + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(cb + g * NT * 32 + kPrefetchBytes + 64),
                  _MM_HINT_T0);
-#pragma GCC unroll 4  // (as in int4_tile)
-    for (int c = 0; c < NT; ++c) {
-      const uint8_t* run = cb + (g * NT + c) * 32;
-      const __m256i w0 = _mm256_sub_epi16(
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run))), bias);
-      const __m256i w1 = _mm256_sub_epi16(
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16))),
+    __m256i sum[MT];
+    for (int t = 0; t < MT; ++t) sum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // (as in int4_tile)
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + g * NT * 32 + i * 16))),
           bias);
 #pragma GCC unroll 4
       for (int t = 0; t < MT; ++t) {
-        const int64_t at = (m0 + t) * groups + g;
-        acc[c][t] = _mm256_fmadd_ps(dot_group16(w0, w1, xq + at * 32),
-                                    _mm256_broadcast_ss(dx + at), acc[c][t]);
+        sum[t] = _mm256_add_epi32(
+            sum[t], _mm256_madd_epi16(w, load_i16(xq + ((m0 + t) * groups + g) * 128 + i * 16)));
+        pin(sum[t]);
       }
     }
+    for (int t = 0; t < MT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]),
+                               _mm256_broadcast_ss(dx + (m0 + t) * groups + g), acc[t]);
   }
-  for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {
-    for (int t = 0; t < MT; ++t) {
-      const float v = a.scale[n0 + c] * reduce8(acc[c][t]);
+  for (int t = 0; t < MT; ++t) {
+    alignas(32) float h[2 * NT];
+    _mm256_store_ps(h, acc[t]);
+    for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {
+      const float v = a.scale[n0 + c] * (h[2 * c] + h[2 * c + 1]);
       bf16_bits* out = a.y + (m0 + t) * a.n_cols + n0 + c;
       store(out, round_to(v, out));
     }
@@ -654,7 +657,7 @@ void int8_tile(const Int8Args& a, const float* ws, int64_t m0, int64_t n0) {
 #endif
 
 void int8_cols(const Int8Args& a, const float* ws, int64_t n_begin, int64_t n_end) {
-  over_row_tiles<kQuantRowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
+  over_row_tiles<kIntRowTile>(a.m_rows, n_begin, n_end, [&](auto mt, int64_t m0, int64_t n0) {
     int8_tile<decltype(mt)::value>(a, ws, m0, n0);
   });
 }

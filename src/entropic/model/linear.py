@@ -253,7 +253,10 @@ class NativeInt8Linear(Linear):
         q, scale = quantize_int8(weight)
         codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, -n % 4))
         # tiles of 4 output columns, each tile's 32-byte runs contiguous: [tiles, k/32, 4, 32]
-        self.weight = codes.view(-1, 4, k // 32, 32).transpose(1, 2).contiguous()
+        codes = codes.view(-1, 4, k // 32, 32).transpose(1, 2)
+        if torch.ops.entropic.int4_run() == 4:  # the avx2 level: as NativeInt4Linear's codes
+            codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
+        self.weight = codes.contiguous()
         self.scale = scale.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
