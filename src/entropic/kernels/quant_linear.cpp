@@ -64,6 +64,18 @@ int64_t check_activations(const at::Tensor& x, const char* op) {
   return k;
 }
 
+// The order of the codes within a tile's 128 bytes, as the level in use reads it (int4_run):
+// [tiles, n, 4, 32] in 32-byte column runs, or [tiles, n, 8, 4, 4] in 4-column chunks.
+void check_code_layout(const at::Tensor& codes, const char* op, const char* what) {
+  const int run = active().int4_run;
+  TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
+                        : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
+                              codes.size(4) == 4,
+              op, ": the ", active().name, " level reads codes of shape [tiles, ", what, ", ",
+              run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
+              "another level: build the linear at the level it runs at, int4_run() says which)");
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
   const int64_t k = check_activations(x, "int8_linear");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1,
@@ -73,13 +85,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   codes.numel() == tiles * kColTile * k,
               "int8_linear: codes must be contiguous uint8 [ceil(out_features / 4), "
               "in_features / 32, 4, 32]");
-  const int run = active().int4_run;
-  TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
-                        : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
-                              codes.size(4) == 4,
-              "int8_linear: the ", active().name, " level reads codes of shape [tiles, groups, ",
-              run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
-              "another level: build the linear at the level it runs at, int4_run() says which)");
+  check_code_layout(codes, "int8_linear", "groups");
   auto y = at::empty({x.size(0), n}, x.options());
   const int64_t m = x.size(0);
   const Int8Args a{ptr<bf16_bits>(x), x.stride(0), codes.data_ptr<uint8_t>(),
@@ -112,12 +118,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                   codes.numel() == tiles * kColTile * ((groups + 1) / 2) * 32,
               "int4_linear: codes must be contiguous uint8 [ceil(out_features / 4), "
               "ceil(groups / 2), 4, 32]");
-  TORCH_CHECK(run == 32 ? codes.dim() == 4 && codes.size(2) == kColTile && codes.size(3) == 32
-                        : codes.dim() == 5 && codes.size(2) == 8 && codes.size(3) == kColTile &&
-                              codes.size(4) == 4,
-              "int4_linear: the ", active().name, " level reads codes of shape [tiles, pairs, ",
-              run == 32 ? "4, 32" : "8, 4, 4", "], got ", codes.sizes(), " (codes packed for "
-              "another level: build the linear at the level it runs at, int4_run() says which)");
+  check_code_layout(codes, "int4_linear", "pairs");
   TORCH_CHECK((half || scale.scalar_type() == at::kFloat) && scale.is_contiguous() &&
                   scale.numel() == tiles * kColTile * groups,
               "int4_linear: scale must be contiguous float32 (or float16 at the avx2 level) "

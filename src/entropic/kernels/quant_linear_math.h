@@ -46,13 +46,16 @@ void over_row_tiles(int64_t m_rows, int64_t n_begin, int64_t n_end, Tile&& tile)
   }
 }
 
-// An int4 tile streams from memory: ask for the codes and scales of the group pair at g a
-// few pairs ahead.
-inline void prefetch_int4_pair(const uint8_t* cb, const float* sb, int64_t g) {
+// An int4 tile streams from memory: ask for the codes and scales (float or fp16 bits) of
+// the group pair at g a few pairs ahead (as many groups ahead for both: a group's codes are
+// 64 bytes, its scales 4 * sizeof(S)).
+template <typename S>
+inline void prefetch_int4_pair(const uint8_t* cb, const S* sb, int64_t g) {
   const char* codes = reinterpret_cast<const char*>(cb + (g / 2 * kColTile) * 32);
   _mm_prefetch(codes + kPrefetchBytes, _MM_HINT_T0);
   _mm_prefetch(codes + kPrefetchBytes + 64, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(sb + g * kColTile) + kPrefetchBytes / 4,
+  _mm_prefetch(reinterpret_cast<const char*>(sb + g * kColTile) +
+                   kPrefetchBytes * int64_t(sizeof(S)) / 16,
                _MM_HINT_T0);
 }
 
@@ -311,15 +314,6 @@ inline __m256 half_pairs(const uint16_t* s, __m256i halves) {
       _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)))),
       halves);
 }
-// The fp16 path's prefetch: the codes as prefetch_int4_pair, the scales (8 bytes a group) as
-// many groups ahead
-inline void prefetch_int4_pair_half(const uint8_t* cb, const uint16_t* hs, int64_t g) {
-  const char* codes = reinterpret_cast<const char*>(cb + (g / 2 * kColTile) * 32);
-  _mm_prefetch(codes + kPrefetchBytes, _MM_HINT_T0);
-  _mm_prefetch(codes + kPrefetchBytes + 64, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(hs + g * kColTile) + kPrefetchBytes / 8,
-               _MM_HINT_T0);
-}
 // The fp16 offsets (themselves, not offset128) against the group sums
 inline float offsets_dot_half(const uint16_t* on, const float* xs, int64_t groups) {
   __m256 o = _mm256_setzero_ps();
@@ -413,7 +407,7 @@ void int4_tile_as(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
   const int64_t paired = groups / 2 * 2;
   for (int64_t g = 0; g < paired; g += 2) {
     if constexpr (Half)
-      prefetch_int4_pair_half(cb, hs, g);
+      prefetch_int4_pair(cb, hs, g);
     else
       prefetch_int4_pair(cb, sb, g);
     step(g, std::true_type{});
