@@ -8,10 +8,11 @@
     python3 benchmarks/profile_ours.py --phases stacks.txt    # phase split of those stacks
 
 Same workload as benchmarks/peers.py (ShareGPT first turns, chat-templated; greedy, EOS
-ignored), the dtype LLM() picks for this CPU (--dtype), --threads torch threads. The profiler figures: wall time of the profiled call,
-the main thread's self time in each op (key_averages, sorted), and "time outside torch ops" =
-wall - sum of self times of every op recorded on the main thread (Python, the scheduler,
-tensor construction in Python, and the profiler's own overhead, which inflates it a little).
+ignored), the dtype LLM() picks for this CPU (--dtype), --threads torch threads. The
+profiler figures: wall time of the profiled call, the main thread's self time in each op
+(key_averages, sorted), and "time outside torch ops" = wall - sum of self times of every op
+recorded on the main thread (Python, the scheduler, tensor construction in Python, and the
+profiler's own overhead, which inflates it a little).
 """
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def main() -> None:
     machine = describe(a.threads)
     print(header(machine))
     result = {"machine": machine, "scenario": a.scenario, "new_tokens": a.new_tokens,
-              "requests": len(work), "dtype": llm.engine.stats.dtype, "quantization": a.quantization,
-              "kernels": a.kernels}
+              "requests": len(work), "dtype": llm.engine.stats.dtype,
+              "quantization": a.quantization, "kernels": a.kernels}
     if a.no_profiler:
         t0 = time.perf_counter()
         llm.generate(work, sp)

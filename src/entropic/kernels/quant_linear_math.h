@@ -287,27 +287,25 @@ inline void quantize_group32(const bf16_bits* x, float* dx, int16_t* xq) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 16), hi);
 }
 
+// The same, each chunk of 4 written 4 times over (128 int16: what the 4-column tiles
+// multiply a chunk of codes with)
+inline void quantize_group32_x4(const bf16_bits* x, float* dx, int16_t* out) {
+  alignas(32) int16_t group[32];
+  quantize_group32(x, dx, group);
+  for (int i = 0; i < 8; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 16), broadcast4(group + i * 4));
+}
+
 void int4_prepare(const Int4Args& a, float* ws) {
   int4_group_sums(a, ws);
   float* dx = int4_dx(a, ws);
   int16_t* xq = int4_xq(a, ws);
-  alignas(32) int16_t group[32];
   for (int64_t m = 0; m < a.m_rows; ++m)
-    for (int64_t g = 0; g < a.groups; ++g) {
-      quantize_group32(a.x + m * a.x_stride + g * 32, dx + m * a.groups + g, group);
-      int16_t* out = xq + (m * a.groups + g) * 128;
-      for (int i = 0; i < 8; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 16), broadcast4(group + i * 4));
-    }
+    for (int64_t g = 0; g < a.groups; ++g)
+      quantize_group32_x4(a.x + m * a.x_stride + g * 32, dx + m * a.groups + g,
+                          xq + (m * a.groups + g) * 128);
 }
 
-// The codes of a tile's pair of groups come in 8 chunks of 16 bytes (int4_run 4): chunk i
-// holds elements 4i..4i+3 of each of the 4 columns, column after column. Widened to 16 bits,
-// a chunk meets the 4 activations 4i..4i+3 broadcast 4 times, so one VPMADDWD serves all
-// 4 columns: int32 lane 2c + h sums column c's elements 4i + 2h and 4i + 2h + 1. Over the 8
-// chunks a lane sums 16 of the group's 32 products, exactly; each group then costs one
-// conversion, one scaling and one FMA for the whole tile (per column, as the 32-byte column
-// runs needed, 4 of each), and an accumulator lane holds one half of one column.
 // the 4 fp16 numbers at s as [s0, s0, s1, s1, s2, s2, s3, s3]
 inline __m256 half_pairs(const uint16_t* s, __m256i halves) {
   return _mm256_permutevar8x32_ps(
@@ -326,6 +324,14 @@ inline float offsets_dot_half(const uint16_t* on, const float* xs, int64_t group
   return r;
 }
 
+// The codes of a tile's pair of groups come in 8 chunks of 16 bytes (int4_run 4): chunk i
+// holds elements 4i..4i+3 of each of the 4 columns, column after column. Widened to 16 bits,
+// a chunk meets the 4 activations 4i..4i+3 broadcast 4 times, so one VPMADDWD serves all
+// 4 columns: int32 lane 2c + h sums column c's elements 4i + 2h and 4i + 2h + 1. Over the 8
+// chunks a lane sums 16 of the group's 32 products, exactly; each group then costs one
+// conversion, one scaling and one FMA for the whole tile (per column, as the 32-byte column
+// runs needed, 4 of each), and an accumulator lane holds one half of one column.
+//
 // Half: fp16 scales [tiles, groups, 4] and offsets [n, groups] (a.scale16, a.offset16), where
 // a GGUF's Q4_0/Q4_1 values are exact: 5 bytes of weights a group of 32 and column instead of
 // 6. The sum is then scale * dx * (codes . xq) + offset * sum(x), without the offset128 form.
@@ -417,7 +423,7 @@ void int4_tile_as(const Int4Args& a, const float* ws, int64_t m0, int64_t n0) {
     alignas(32) float h[2 * NT];
     _mm256_store_ps(h, acc[t]);
     alignas(16) float o[NT];
-    _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
+    if constexpr (!Half) _mm_store_ps(o, _mm_mul_ps(off[t], _mm_set1_ps(128.f)));
     for (int c = 0; c < NT && n0 + c < a.n_cols; ++c) {  // padding columns are not stored
       const float v =
           Half ? (h[2 * c] + h[2 * c + 1]) +
@@ -538,14 +544,10 @@ void int4_cols(const Int4Args& a, const float* ws, int64_t n_begin, int64_t n_en
 void int8_prepare(const Int8Args& a, float* ws) {
   const int64_t groups = a.k / 32;
   int16_t* xq = reinterpret_cast<int16_t*>(ws + a.m_rows * groups);
-  alignas(32) int16_t group[32];
   for (int64_t m = 0; m < a.m_rows; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      quantize_group32(a.x + m * a.x_stride + g * 32, ws + m * groups + g, group);
-      int16_t* out = xq + (m * groups + g) * 128;
-      for (int i = 0; i < 8; ++i)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * 16), broadcast4(group + i * 4));
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      quantize_group32_x4(a.x + m * a.x_stride + g * 32, ws + m * groups + g,
+                          xq + (m * groups + g) * 128);
 }
 
 template <int MT>

@@ -177,6 +177,16 @@ class Int4Linear(Linear):
         return y if self.bias is None else y.add_(self.bias)
 
 
+def _level_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in tiles [tiles, n, 4, 32] (each column's 32 bytes of a 128-byte block in turn)
+    in the order the native level in use reads them: so at most levels; at avx2
+    (`int4_run()` 4) as 8 chunks of 4 bytes a column, the 4 columns side by side
+    ([tiles, n, 8, 4, 4], quant_linear.cpp)."""
+    if torch.ops.entropic.int4_run() == 4:
+        codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
+    return codes.contiguous()
+
+
 class NativeInt4Linear(Linear):
     """y = x @ W.T (+ bias) with W in 4-bit groups of 32, through entropic's own kernel
     (`entropic.int4_linear`, CPUs with AVX2 or better): the codes are exact bf16 numbers, so
@@ -216,12 +226,7 @@ class NativeInt4Linear(Linear):
         # codes and scales in tiles of 4 output columns (zero columns pad the last tile),
         # each tile's data contiguous: [tiles, pairs, 4, 32] bytes and [tiles, groups, 4]
         codes = F.pad(blocks.pack_group_pairs(), (0, 0, 0, pad))
-        codes = codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2)  # [tiles, pairs, 4, 32]
-        if avx2:
-            # the avx2 level reads each pair of groups as 8 chunks of 4 bytes a column,
-            # the 4 columns side by side: [tiles, pairs, 8, 4, 4] (quant_linear.cpp)
-            codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
-        self.weight = codes.contiguous()
+        self.weight = _level_tiles(codes.view(-1, 4, codes.shape[1] // 32, 32).transpose(1, 2))
         scale = F.pad(blocks.scale.float(), (0, 0, 0, pad))
         scale = scale.view(-1, 4, scale.shape[1]).transpose(1, 2)
         self.scale = (scale.half() if self.half_scales else scale).contiguous()
@@ -253,10 +258,7 @@ class NativeInt8Linear(Linear):
         q, scale = quantize_int8(weight)
         codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, -n % 4))
         # tiles of 4 output columns, each tile's 32-byte runs contiguous: [tiles, k/32, 4, 32]
-        codes = codes.view(-1, 4, k // 32, 32).transpose(1, 2)
-        if torch.ops.entropic.int4_run() == 4:  # the avx2 level: as NativeInt4Linear's codes
-            codes = codes.unflatten(3, (8, 4)).transpose(2, 3)
-        self.weight = codes.contiguous()
+        self.weight = _level_tiles(codes.view(-1, 4, k // 32, 32).transpose(1, 2))
         self.scale = scale.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
