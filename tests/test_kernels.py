@@ -125,6 +125,24 @@ def test_paged_decode_attention_matches_softmax_attention(isa, dtype, head_dim):
     assert torch.equal(E.paged_decode_attention(q, cache, bad, lengths, 0.125, None)[1], out[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,KVH,D", [(8, 8, 32), (8, 4, 128), (16, 2, 64), (10, 2, 256),
+                                     (28, 4, 128)])  # query heads a KV head: 1, 2, 8, 5, 7
+def test_paged_decode_attention_other_shapes(isa, dtype, H, KVH, D):
+    g = _gen(H * D)
+    n, ctx, S = 3, 70, 300
+    cache = torch.randn(S, 2, KVH, D, generator=g).to(dtype)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(S, generator=g)[:ctx] for _ in range(n)])
+    lengths = torch.tensor([ctx, 9, 33])
+    mass = torch.zeros(n, ctx)
+    out = E.paged_decode_attention(q, cache, slots, lengths, 0.1, mass)
+    want, want_mass = _reference_attention(q, cache, slots, lengths, 0.1)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_decode_attention_rows_do_not_depend_on_each_other(isa):
     # 12 rows: whole rows are work items, each thread fetching its next row ahead (up to 256
     # slots: rows up to 400 long are partly fetched ahead); alone, a row is split by KV head

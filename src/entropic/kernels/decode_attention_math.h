@@ -238,6 +238,204 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
 }
 #endif
 
+#if defined(ENTROPIC_SIMD_AVX2)
+
+// 16 stored elements as two fp32 vectors. float: elements 0..7 and 8..15. bf16: the even
+// elements and the odd ones (a pair of bf16 in a 32-bit word: the even one is the word
+// shifted left by 16, the odd one its high half), two instructions where a widening load
+// and a shift per 8 elements would take four.
+inline void load_pair(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+inline void load_pair(const bf16_bits* p, __m256& a, __m256& b) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+// The element of a 16-element chunk in lane l of vector v (0 or 1) of load_pair.
+template <typename T>
+constexpr int pair_element(int v, int l) {
+  return std::is_same_v<T, float> ? 8 * v + l : 2 * l + v;
+}
+
+// Lane j of the result: the sum of the 8 lanes of v[j] (a fixed tree of adds).
+inline __m256 sum8x8(const __m256* v) {
+  // [v0 v1 v2 v3 | v0 v1 v2 v3]: the sums of lanes 0..3, then of lanes 4..7
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// P.V of heads h0 .. h0 + HN - 1 over S 16-element slices of head_dim from slice c0: 2 * S
+// accumulators a head in registers, one pass over the row's values, which are fetched 16
+// keys ahead (a row's keys are slot_size apart, a stride the hardware follows poorly).
+template <typename T, int HN, int S>
+void attend_avx2_pv(const T* cache, const int64_t* slots, int64_t len, int64_t v_offset,
+                    int64_t slot_size, int64_t d, int64_t c0, int64_t h0, const float* sc,
+                    int64_t padded, float* acc) {
+  __m256 a[HN][2 * S];
+  for (int h = 0; h < HN; ++h)
+    for (int i = 0; i < 2 * S; ++i) a[h][i] = _mm256_setzero_ps();
+  const T* base = cache + v_offset + 16 * c0;
+  for (int64_t j = 0; j < len; ++j) {
+    if (j + 16 < len) {
+      const char* ahead = reinterpret_cast<const char*>(base + slots[j + 16] * slot_size);
+      for (int64_t b = 0; b < int64_t(S * 16 * sizeof(T)); b += 64)
+        _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+    const T* v = base + slots[j] * slot_size;
+    for (int i = 0; i < S; ++i) {
+      __m256 v0, v1;
+      load_pair(v + 16 * i, v0, v1);
+      for (int h = 0; h < HN; ++h) {
+        const __m256 p = _mm256_broadcast_ss(sc + (h0 + h) * padded + j);
+        a[h][2 * i] = _mm256_fmadd_ps(p, v0, a[h][2 * i]);
+        a[h][2 * i + 1] = _mm256_fmadd_ps(p, v1, a[h][2 * i + 1]);
+      }
+    }
+  }
+  // (constant indices only: an accumulator indexed at run time would live in memory, and
+  // GCC would store it at every key)
+  alignas(32) float lanes[HN][2 * S][8];
+#pragma GCC unroll 4
+  for (int h = 0; h < HN; ++h)
+#pragma GCC unroll 4
+    for (int i = 0; i < 2 * S; ++i) _mm256_store_ps(lanes[h][i], a[h][i]);
+  for (int h = 0; h < HN; ++h)
+    for (int i = 0; i < 2 * S; ++i) {
+      float* o = acc + (h0 + h) * d + 16 * (c0 + i / 2);
+      for (int l = 0; l < 8; ++l) o[pair_element<T>(i % 2, l)] = lanes[h][i][l];
+    }
+}
+
+// All heads' P.V: per group of up to 4 heads, S slices a pass (2 while the accumulators fit
+// 8 registers, else 1: at 12 GCC spilled them at every key).
+template <typename T, int HN>
+void attend_avx2_pv_heads(const T* cache, const int64_t* slots, int64_t len, int64_t v_offset,
+                          int64_t slot_size, int64_t d, int64_t h0, const float* sc,
+                          int64_t padded, float* acc) {
+  const int64_t nc = d / 16;
+  int64_t c = 0;
+  if constexpr (HN <= 2)
+    for (; c + 2 <= nc; c += 2)
+      attend_avx2_pv<T, HN, 2>(cache, slots, len, v_offset, slot_size, d, c, h0, sc, padded, acc);
+  for (; c < nc; ++c)
+    attend_avx2_pv<T, HN, 1>(cache, slots, len, v_offset, slot_size, d, c, h0, sc, padded, acc);
+}
+
+// AVX2 (8 lanes), bf16 or float cache, head_dim = 16 * NC. Scores: a key is loaded (and
+// widened) once for the `rep` query heads that share it, each head's 8-lane partial sums
+// of 8 keys reduced together (sum8x8); softmax in fp32; P.V a 16-element slice of head_dim
+// at a time with up to 4 heads' accumulators in registers. A row's numbers do not depend
+// on the other rows. (The 16-lane code, attend_vec, reduced every score on its own and
+// kept P.V's accumulators in memory: on an AVX2 CPU it ran at 4-7 GB/s of cache.)
+template <typename T, int NC>
+void attend_avx2(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
+                 int64_t len, int64_t kv_head, int64_t kv_heads, int64_t rep, float scale,
+                 T* out, float* mass, const AttendScratch& ws) {
+  constexpr int64_t d = 16 * NC;
+  constexpr bool kKeepKey = NC <= 4;  // a key in registers: 2 * NC of the 16
+  const int64_t slot_size = 2 * kv_heads * d, padded = (len + 15) / 16 * 16;
+  float *qf = ws.qf, *sc = ws.sc, *acc = ws.acc;
+  // the queries in load_pair's order, in fp32
+  for (int64_t h = 0; h < rep; ++h)
+    for (int64_t c = 0; c < NC; ++c)
+      for (int v = 0; v < 2; ++v)
+        for (int l = 0; l < 8; ++l)
+          qf[h * d + 16 * c + 8 * v + l] =
+              load(q + h * q_head_stride + 16 * c + pair_element<T>(v, l));
+  alignas(32) float part[kMaxRep][8][8];
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - j0);
+    for (int64_t j = 0; j < 8; ++j) {
+      if (j >= n) {
+        for (int64_t h = 0; h < rep; ++h) _mm256_store_ps(part[h][j], _mm256_setzero_ps());
+        continue;
+      }
+      if (j0 + j + 16 < len) {  // the key 16 ahead (a stride the hardware follows poorly)
+        const char* ahead =
+            reinterpret_cast<const char*>(cache + slots[j0 + j + 16] * slot_size + kv_head * d);
+        for (int64_t b = 0; b < int64_t(d * sizeof(T)); b += 64)
+          _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+      const T* k = cache + slots[j0 + j] * slot_size + kv_head * d;
+      __m256 kv[kKeepKey ? 2 * NC : 2];
+      if constexpr (kKeepKey)
+        for (int c = 0; c < NC; ++c) load_pair(k + 16 * c, kv[2 * c], kv[2 * c + 1]);
+      // up to 3 heads at once, 2 accumulators each: 6 independent chains of NC fmas
+      const auto heads = [&](int64_t h0, auto hn_tag) {
+        constexpr int HN = decltype(hn_tag)::value;
+        __m256 a[HN][2];
+        for (int h = 0; h < HN; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
+        for (int c = 0; c < NC; ++c) {
+          __m256 k0, k1;
+          if constexpr (kKeepKey) {
+            k0 = kv[2 * c];
+            k1 = kv[2 * c + 1];
+          } else {
+            load_pair(k + 16 * c, k0, k1);
+          }
+          for (int h = 0; h < HN; ++h) {
+            const float* qh = qf + (h0 + h) * d + 16 * c;
+            a[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), k0, a[h][0]);
+            a[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), k1, a[h][1]);
+          }
+        }
+        for (int h = 0; h < HN; ++h)
+          _mm256_store_ps(part[h0 + h][j], _mm256_add_ps(a[h][0], a[h][1]));
+      };
+      for (int64_t h0 = 0; h0 < rep; h0 += 3) {
+        switch (std::min<int64_t>(3, rep - h0)) {
+          case 3: heads(h0, std::integral_constant<int, 3>{}); break;
+          case 2: heads(h0, std::integral_constant<int, 2>{}); break;
+          default: heads(h0, std::integral_constant<int, 1>{}); break;
+        }
+      }
+    }
+    for (int64_t h = 0; h < rep; ++h) {
+      __m256 v[8];
+      for (int j = 0; j < 8; ++j) v[j] = _mm256_load_ps(part[h][j]);
+      _mm256_storeu_ps(sc + h * padded + j0, _mm256_mul_ps(sum8x8(v), _mm256_set1_ps(scale)));
+    }
+  }
+  float mx[kMaxRep], sum[kMaxRep];
+  for (int64_t h = 0; h < rep; ++h) {
+    float* s = sc + h * padded;
+    F16 m = f16_set(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < len; j += 16)
+      m = select16(first16(len - j), max16(m, load16(s + j)), m);
+    mx[h] = reduce_max16(m);
+    const F16 mv = f16_set(mx[h]);
+    F16 total = f16_zero();
+    for (int64_t j = 0; j < len; j += 16) {
+      const F16 e = maskz16(first16(len - j), exp16(sub(load16(s + j), mv)));
+      store16(s + j, e);
+      total = add(total, e);
+    }
+    sum[h] = reduce_add16(total);
+  }
+  const int64_t v_offset = (kv_heads + kv_head) * d;
+  const auto pv = [&](int64_t h0, auto hn_tag) {
+    attend_avx2_pv_heads<T, decltype(hn_tag)::value>(cache, slots, len, v_offset, slot_size, d,
+                                                     h0, sc, padded, acc);
+  };
+  for (int64_t h0 = 0; h0 < rep; h0 += 4) {
+    switch (std::min<int64_t>(4, rep - h0)) {
+      case 4: pv(h0, std::integral_constant<int, 4>{}); break;
+      case 3: pv(h0, std::integral_constant<int, 3>{}); break;
+      case 2: pv(h0, std::integral_constant<int, 2>{}); break;
+      default: pv(h0, std::integral_constant<int, 1>{}); break;
+    }
+  }
+  // finish_heads reads each head's probabilities at stride len
+  if (mass != nullptr && padded != len)
+    for (int64_t h = 1; h < rep; ++h)
+      std::memmove(sc + h * len, sc + h * padded, len * sizeof(float));
+  finish_heads<T>(acc, sc, sum, len, d, rep, out, mass);
+}
+#endif
+
 // Query-aware block selection (docs/pruning.md): an upper bound on q.k over the keys of a
 // block, from the elementwise minimum and maximum of those keys (kept after the cache's
 // slots, one bound row per block: the minima where a slot has K, the maxima where it has V):
@@ -300,6 +498,20 @@ void attend(const T* q, int64_t q_head_stride, const T* cache, const int64_t* sl
         default: attend_bf16<16>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
                                  scale, out, mass, ws, ahead); return;
       }
+    }
+  }
+#endif
+#if defined(ENTROPIC_SIMD_AVX2)
+  if (rep <= kMaxRep && (d == 32 || d == 64 || d == 128 || d == 256)) {
+    switch (d) {
+      case 32: attend_avx2<T, 2>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                 scale, out, mass, ws); return;
+      case 64: attend_avx2<T, 4>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                 scale, out, mass, ws); return;
+      case 128: attend_avx2<T, 8>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                  scale, out, mass, ws); return;
+      default: attend_avx2<T, 16>(q, q_head_stride, cache, slots, len, kv_head, kv_heads, rep,
+                                  scale, out, mass, ws); return;
     }
   }
 #endif
