@@ -23,11 +23,16 @@
 // prompt was chunked.
 
 constexpr int kPfRowTile = 4;  // rows (query position x head) per register tile
+// The fp32 path's tile at AVX2: 6 rows x 2 vectors, 12 accumulators of the 16 registers
+// (4 x 2 left its fused multiply-adds waiting on loads: 6 loads for 8 of them)
+constexpr int kPf32RowTile = W == 8 ? 6 : kPfRowTile;
 
-template <typename F>
+template <int MaxRows = kPfRowTile, typename F>
 void pf_tiles(int64_t rows, F&& f) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kPfRowTile) {
-    switch (std::min<int64_t>(kPfRowTile, rows - r0)) {
+  for (int64_t r0 = 0; r0 < rows; r0 += MaxRows) {
+    switch (std::min<int64_t>(MaxRows, rows - r0)) {
+      case 6: if constexpr (MaxRows >= 6) f(std::integral_constant<int, 6>{}, r0); break;
+      case 5: if constexpr (MaxRows >= 5) f(std::integral_constant<int, 5>{}, r0); break;
       case 4: f(std::integral_constant<int, 4>{}, r0); break;
       case 3: f(std::integral_constant<int, 3>{}, r0); break;
       case 2: f(std::integral_constant<int, 2>{}, r0); break;
@@ -61,12 +66,21 @@ void pf32_pack_block(const void* cachev, const int64_t* slots, int64_t nk, int64
 }
 
 struct Pf32Queries {
-  const float* row[kPfRowTile];  // fp32 copies of the rows' queries
+  const float* row[kPf32RowTile];  // fp32 copies of the rows' queries
 };
 
 // Keys (scores) and head dims (P.V) per register pass: 4 x 16 lanes on AVX-512, 2 x 8 on
 // AVX2 (16 registers). A pass covers different outputs, so it does not change any sum.
 constexpr int kPfChunk = W == 16 ? 4 : 2;
+
+// A loaded vector kept in a register: at AVX2, with 12 accumulators, GCC otherwise folds the
+// load into every fused multiply-add that uses it (a load each, the loads then binding).
+inline V pf32_in_register(V v) {
+#if defined(ENTROPIC_SIMD_AVX2)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
 
 // step(i) for i in 0 .. n - 1 (n even). kPairs (bf16 models): each pair's odd member first,
 // as VDPBF16PS adds them; float32 models: in order, one at a time (not unrolled: each step's
@@ -93,7 +107,8 @@ void pf32_scores(const Pf32Queries& q, const void* kblkv, int64_t d, float* s) {
       for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vzero();
     auto step = [&](int64_t i) {
       V k[kPfChunk];
-      for (int c = 0; c < kPfChunk; ++c) k[c] = vload(kblk + i * kPfKeys + k0 + c * W);
+      for (int c = 0; c < kPfChunk; ++c)
+        k[c] = pf32_in_register(vload(kblk + i * kPfKeys + k0 + c * W));
       for (int r = 0; r < RT; ++r) {
         const V qv = vset(q.row[r][i]);
         for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(qv, k[c], acc[r][c]);
@@ -118,7 +133,8 @@ void pf32_values(const void* pv, const void* vblkv, int64_t d, float* o, const f
     }
     auto step = [&](int64_t j) {
       V v[kPfChunk];
-      for (int c = 0; c < kPfChunk; ++c) v[c] = vload(vblk + j * d + c0 + c * W);
+      for (int c = 0; c < kPfChunk; ++c)
+        v[c] = pf32_in_register(vload(vblk + j * d + c0 + c * W));
       for (int r = 0; r < RT; ++r) {
         const V pj = vset(p[r * kPfKeys + j]);
         for (int c = 0; c < kPfChunk; ++c) acc[r][c] = vfma(pj, v[c], acc[r][c]);
@@ -422,7 +438,7 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
       });
 #endif
     } else {
-      pf_tiles(rows, [&](auto rt, int64_t r0) {
+      pf_tiles<kPf32RowTile>(rows, [&](auto rt, int64_t r0) {
         Pf32Queries qr{};
         for (int t = 0; t < rt; ++t) qr.row[t] = qf + (r0 + t) * d;
         pf32_scores<decltype(rt)::value, kPairs>(qr, kblk, d, s + r0 * kPfKeys);
@@ -469,7 +485,7 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
       });
 #endif
     } else {
-      pf_tiles(rows, [&](auto rt, int64_t r0) {
+      pf_tiles<kPf32RowTile>(rows, [&](auto rt, int64_t r0) {
         pf32_values<decltype(rt)::value, kPairs>(probs + r0 * kPfKeys, vblk, d, o + r0 * d,
                                                  alpha + r0);
       });
