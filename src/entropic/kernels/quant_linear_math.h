@@ -220,9 +220,11 @@ constexpr int kQuantRowTile = W == 16 ? 4 : 2;
 // of x, as at the other levels. fp32 FMA on 8 lanes (the avx512 code at half width) was
 // bound by its arithmetic here, not by the bytes of the codes: by count ~25 instructions
 // for 32 products, this ~8; measured, a fifth off the time (docs/performance.md).
-// 8-bit activations (VPMADDUBSW, as llama.cpp's Q8 dot products) would halve the products
-// again but cost fidelity: top-1 agreement with fp32 0.92 instead of 0.97 on the
-// embedded model.
+// 8-bit activations (VPMADDUBSW, as llama.cpp's Q8 dot products) halve the instructions a
+// product again but cost fidelity: with the int8 lm_head's at 8 bits too, top-1 agreement
+// with fp32 0.92 instead of 0.97; for the int4 projections alone, KL 0.0048 instead of
+// 0.0025, for a tile 0.8x the time at one row and no gain a decode step could show
+// (docs/performance.md, "Decode and prefill attention at AVX2").
 // A group whose sum is not finite gets dx = NaN, so a NaN or an infinity in x reaches y.
 // int8 rounds its activations the same way (below).
 //
