@@ -76,6 +76,23 @@ constexpr int64_t kMaxRep = 16;  // query heads per KV head on the vector paths
 
 #if defined(ENTROPIC_SIMD)
 
+// One head's scores s[0, len) (stored to a multiple of 16) replaced in place by
+// exp(s - max), the padding by zeros; returns their sum, the max in *mx.
+inline float exp_scores(float* s, int64_t len, float* mx) {
+  F16 m = f16_set(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < len; j += 16)
+    m = select16(first16(len - j), max16(m, load16(s + j)), m);
+  *mx = reduce_max16(m);
+  const F16 mv = f16_set(*mx);
+  F16 total = f16_zero();
+  for (int64_t j = 0; j < len; j += 16) {
+    const F16 e = maskz16(first16(len - j), exp16(sub(load16(s + j), mv)));
+    store16(s + j, e);
+    total = add(total, e);
+  }
+  return reduce_add16(total);
+}
+
 // The same computation in 16-lane vectors: head_dim a multiple of 16 (up to 256), rep <= 16.
 template <typename T>
 void attend_vec(const T* q, int64_t q_head_stride, const T* cache, const int64_t* slots,
@@ -199,18 +216,7 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
       }
       _mm512_storeu_ps(s + j0, _mm512_mul_ps(sum16x16(v), _mm512_set1_ps(scale)));
     }
-    F16 m = f16_set(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < len; j += 16)
-      m = select16(first16(len - j), max16(m, load16(s + j)), m);
-    mx[h] = reduce_max16(m);
-    const F16 mv = f16_set(mx[h]);
-    F16 total = f16_zero();
-    for (int64_t j = 0; j < len; j += 16) {
-      const F16 e = maskz16(first16(len - j), exp16(sub(load16(s + j), mv)));
-      store16(s + j, e);
-      total = add(total, e);
-    }
-    sum[h] = reduce_add16(total);
+    sum[h] = exp_scores(s, len, mx + h);
   }
   for (int64_t h0 = 0; h0 < rep; h0 += heads_per_group) {
     const int64_t hn = std::min<int64_t>(heads_per_group, rep - h0);
@@ -402,18 +408,7 @@ void attend_avx2(const T* q, int64_t q_head_stride, const T* cache, const int64_
   float mx[kMaxRep], sum[kMaxRep];
   for (int64_t h = 0; h < rep; ++h) {
     float* s = sc + h * padded;
-    F16 m = f16_set(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < len; j += 16)
-      m = select16(first16(len - j), max16(m, load16(s + j)), m);
-    mx[h] = reduce_max16(m);
-    const F16 mv = f16_set(mx[h]);
-    F16 total = f16_zero();
-    for (int64_t j = 0; j < len; j += 16) {
-      const F16 e = maskz16(first16(len - j), exp16(sub(load16(s + j), mv)));
-      store16(s + j, e);
-      total = add(total, e);
-    }
-    sum[h] = reduce_add16(total);
+    sum[h] = exp_scores(s, len, mx + h);
   }
   const int64_t v_offset = (kv_heads + kv_head) * d;
   const auto pv = [&](int64_t h0, auto hn_tag) {
