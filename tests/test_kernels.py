@@ -100,21 +100,33 @@ def _reference_attention(q, cache, slots, lengths, scale):
     return (p @ v).reshape(n, H * D), p.sum(dim=(1, 2))
 
 
+def _decode_inputs(g, n, H, KVH, D, ctx, S, dtype):
+    """q [n, H, D], a cache of S slots, and each row's ctx distinct random slots."""
+    cache = torch.randn(S, 2, KVH, D, generator=g).to(dtype)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(S, generator=g)[:ctx] for _ in range(n)])
+    return q, cache, slots
+
+
+def _check_decode_attention(q, cache, slots, lengths, scale):
+    """paged_decode_attention (with mass) against the fp64 reference; (out, mass, tol)."""
+    mass = torch.zeros(slots.shape)
+    out = E.paged_decode_attention(q, cache, slots, lengths, scale, mass)
+    want, want_mass = _reference_attention(q, cache, slots, lengths, scale)
+    tol = (dict(rtol=1e-2, atol=1e-2) if q.dtype == torch.bfloat16
+           else dict(rtol=1e-5, atol=1e-5))
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+    return out, mass, tol
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 40))  # 40: not a multiple of 16 (the generic path)
 def test_paged_decode_attention_matches_softmax_attention(isa, dtype, head_dim):
-    g = _gen(head_dim)
-    n, H, KVH, ctx, S = 6, 9, 3, 150, 1000
-    cache = torch.randn(S, 2, KVH, head_dim, generator=g).to(dtype)
-    q = torch.randn(n, H, head_dim, generator=g).to(dtype)
-    slots = torch.stack([torch.randperm(S, generator=g)[:ctx] for _ in range(n)])
+    n, ctx = 6, 150
+    q, cache, slots = _decode_inputs(_gen(head_dim), n, 9, 3, head_dim, ctx, 1000, dtype)
     lengths = torch.tensor([ctx, 1, 17, 100, 149, 64])
-    mass = torch.zeros(n, ctx)
-    out = E.paged_decode_attention(q, cache, slots, lengths, 0.125, mass)
-    want, want_mass = _reference_attention(q, cache, slots, lengths, 0.125)
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.double(), want, **tol)
-    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+    out, mass, tol = _check_decode_attention(q, cache, slots, lengths, 0.125)
     assert mass[:, lengths.min():].sum() > 0 and torch.all(mass[1, 1:] == 0)
     # no lengths: every row attends its whole ctx; padding slots past a length are never read
     full = E.paged_decode_attention(q, cache, slots, None, 0.125, None)
@@ -129,18 +141,9 @@ def test_paged_decode_attention_matches_softmax_attention(isa, dtype, head_dim):
 @pytest.mark.parametrize("H,KVH,D", [(8, 8, 32), (8, 4, 128), (16, 2, 64), (10, 2, 256),
                                      (28, 4, 128)])  # query heads a KV head: 1, 2, 8, 5, 7
 def test_paged_decode_attention_other_shapes(isa, dtype, H, KVH, D):
-    g = _gen(H * D)
-    n, ctx, S = 3, 70, 300
-    cache = torch.randn(S, 2, KVH, D, generator=g).to(dtype)
-    q = torch.randn(n, H, D, generator=g).to(dtype)
-    slots = torch.stack([torch.randperm(S, generator=g)[:ctx] for _ in range(n)])
-    lengths = torch.tensor([ctx, 9, 33])
-    mass = torch.zeros(n, ctx)
-    out = E.paged_decode_attention(q, cache, slots, lengths, 0.1, mass)
-    want, want_mass = _reference_attention(q, cache, slots, lengths, 0.1)
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.double(), want, **tol)
-    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+    ctx = 70
+    q, cache, slots = _decode_inputs(_gen(H * D), 3, H, KVH, D, ctx, 300, dtype)
+    _check_decode_attention(q, cache, slots, torch.tensor([ctx, 9, 33]), 0.1)
 
 
 def test_paged_decode_attention_rows_do_not_depend_on_each_other(isa):
