@@ -167,6 +167,27 @@ def test_paged_decode_attention_rows_do_not_depend_on_each_other(isa):
         assert torch.equal(alone[0], batch[r])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_attention_long_rows_in_chunks(isa, dtype):
+    # rows of more than 512 slots are computed in chunks, each KV head's chunks merged: the
+    # fp64 reference's numbers, and the same bits alone (chunks spread over the threads) as
+    # in a batch of 12 (a thread computes a whole row)
+    g = _gen(5)
+    n, ctx = 12, 1700
+    q, cache, slots = _decode_inputs(g, n, 9, 3, 64, ctx, 4000, dtype)
+    lengths = torch.randint(1, ctx + 1, (n,), generator=g)
+    lengths[:5] = torch.tensor([ctx, 512, 513, 1025, 1])
+    batch = E.paged_decode_attention(q, cache, slots, lengths, 0.125, None)
+    tol = (dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16
+           else dict(rtol=1e-5, atol=1e-5))
+    torch.testing.assert_close(batch.double(), _reference_attention(
+        q, cache, slots, lengths, 0.125)[0], **tol)
+    for r in range(n):
+        alone = E.paged_decode_attention(q[r:r + 1], cache, slots[r:r + 1, :lengths[r]], None,
+                                         0.125, None)
+        assert torch.equal(alone[0], batch[r])
+
+
 def test_kernels_reject_bad_input_with_clear_errors():
     cache = torch.zeros(10, 2, 3, 64, dtype=torch.bfloat16)
     q = torch.zeros(2, 9, 64, dtype=torch.bfloat16)

@@ -28,6 +28,39 @@ using namespace entropic_kernels;
 // well within a core's L2 next to the current row's working set).
 constexpr int64_t kLookaheadSlots = 256;
 
+// A row of more than kChunkKeys context slots is computed in chunk_count(len) nearly equal
+// chunks, each KV head's chunks then merged in order (merge_chunks). The split depends on
+// the row's length alone, never on the batch or the threads, so a row's numbers stay the
+// same in any batch; what it buys is work for every thread when there are few rows (one
+// row has only kv_heads (row, KV head) items: 3 for SmolLM2, on 2 threads).
+constexpr int64_t kChunkKeys = 512;
+inline int64_t chunk_count(int64_t len) { return (len + kChunkKeys - 1) / kChunkKeys; }
+
+// out (rep heads of d) from `chunks` partials of rep * (d + 2) floats each (finish_heads:
+// each head's output scaled by its chunk's exp(-max), that max, and its sum of exps):
+// out = sum_c acc_c exp(max_c - M) / sum_c sum_c exp(max_c - M), M the largest max.
+template <typename T>
+void merge_chunks(const float* part, int64_t chunks, int64_t rep, int64_t d, T* out) {
+  const int64_t part_size = rep * (d + 2);
+  std::vector<float> w(chunks), acc(d);
+  for (int64_t h = 0; h < rep; ++h) {
+    const float* ph = part + h * (d + 2);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, ph[c * part_size + d]);
+    float total = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      w[c] = std::exp(ph[c * part_size + d] - m);
+      total += ph[c * part_size + d + 1] * w[c];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t i = 0; i < d; ++i) acc[i] += ph[c * part_size + i] * w[c];
+    const float inv = 1.f / total;
+    T* o = out + h * d;
+    for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[i] * inv, o));
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& slots, const std::optional<at::Tensor>& lengths,
                                   double scale, const std::optional<at::Tensor>& mass,
@@ -105,34 +138,49 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     T* op = ptr<T>(out);
     // Work items are rows, all KV heads of a row in turn: one pass brings the row's slots
     // into cache, whole (with `mass`, a row's heads add into one mass row anyway). With few
-    // rows, (row, KV head) pairs instead, so that every thread has work. Rows differ in
-    // length: items are handed out one at a time (an atomic counter), so that no thread
+    // rows, (row, KV head, chunk) triples instead, so that every thread has work. Rows differ
+    // in length: items are handed out one at a time (an atomic counter), so that no thread
     // waits on another's share of long rows.
     const int64_t threads = at::get_num_threads();
-    const int64_t per_row = (mass_ptr == nullptr && n < 4 * threads) ? kv_heads : 1;
-    const int64_t items = n * per_row;
+    const bool few = mass_ptr == nullptr && n < 4 * threads;
+    const int64_t part_size = rep * (d + 2);  // one chunk's partials (finish_heads)
+    // each row's chunks (1: whole), where its KV heads' partials start, its first item
+    std::vector<int64_t> chunks(n, 1), part_base(n + 1, 0), first(n + 1, 0);
+    for (int64_t r = 0; r < n; ++r) {
+      const bool select =
+          keep_ptr != nullptr && keep_ptr[r] < (len[r] + block_size - 1) / block_size;
+      if (mass_ptr == nullptr && !select) chunks[r] = chunk_count(len[r]);
+      part_base[r + 1] = part_base[r] + (chunks[r] > 1 ? kv_heads * chunks[r] * part_size : 0);
+      first[r + 1] = first[r] + (few ? kv_heads * chunks[r] : 1);
+    }
+    const int64_t items = first[n];
+    std::vector<float> partials(few ? part_base[n] : 0);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(items, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> buf;  // the scratch of one (row, KV head), grown as rows need
+      std::vector<float> own;  // a whole row's partials, one KV head at a time
       std::vector<int64_t> rows, chosen, picked;  // query-aware selection: bound rows, order
       std::vector<float> score;
       // With whole rows as items, a thread claims its next row before it starts the current
       // one and fetches that row's first kLookaheadSlots slots while it computes: a row's
       // first pass over its scattered blocks would otherwise wait on memory.
       int64_t covered = 0;
+      int64_t r = 0;
       for (int64_t item = next.fetch_add(1); item < items;) {
-        const int64_t following = per_row == 1 ? next.fetch_add(1) : items;
-        const int64_t r = item / per_row;
-        const int64_t g0 = per_row == 1 ? 0 : item % per_row;
-        const int64_t g1 = per_row == 1 ? kv_heads : g0 + 1;
+        const int64_t following = few ? items : next.fetch_add(1);
+        while (first[r + 1] <= item) ++r;  // items are claimed in increasing order
+        const int64_t local = item - first[r], nc = chunks[r];
+        const int64_t g0 = few ? local / nc : 0, g1 = few ? g0 + 1 : kv_heads;
+        const int64_t c0 = few ? local % nc : 0, c1 = few ? c0 + 1 : nc;
         const bool ahead = following < items;  // never with (row, KV head) items
         const int64_t count = ahead ? std::min(len[following], kLookaheadSlots) : 0;
         const int64_t padded = (len[r] + 15) / 16 * 16;
         buf.resize(std::max<int64_t>(buf.size(), rep * (2 * d + padded + 2)));
-        const AttendScratch ws{buf.data(), buf.data() + rep * d, buf.data() + rep * (d + padded),
-                               buf.data() + rep * (2 * d + padded)};
+        AttendScratch ws{buf.data(), buf.data() + rep * d, buf.data() + rep * (d + padded),
+                         buf.data() + rep * (2 * d + padded)};
         const int64_t nb = keep_ptr ? (len[r] + block_size - 1) / block_size : 0;
         const bool select = keep_ptr != nullptr && keep_ptr[r] < nb;
+        if (!few && nc > 1) own.resize(std::max<int64_t>(own.size(), nc * part_size));
         for (int64_t g = g0; g < g1; ++g) {
           const T* qg = qp + r * q.stride(0) + g * rep * d;
           T* og = op + r * heads * d + g * rep * d;
@@ -175,16 +223,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                    float(scale), og, nullptr, ws, Lookahead{});
             continue;
           }
-          // the next row's slots, a share per KV head
+          // the next row's slots, a share per KV head (fetched during the head's last chunk)
           const Lookahead la{ahead ? sl + following * ctx + g * count / kv_heads : nullptr,
                              (g + 1) * count / kv_heads - g * count / kv_heads, covered};
-          attend(qg, d, cache, sl + r * ctx, len[r], g, kv_heads, d, rep, float(scale), og,
-                 mass_ptr ? mass_ptr + r * ctx : nullptr, ws, la);
+          if (nc == 1) {
+            attend(qg, d, cache, sl + r * ctx, len[r], g, kv_heads, d, rep, float(scale), og,
+                   mass_ptr ? mass_ptr + r * ctx : nullptr, ws, la);
+            continue;
+          }
+          float* part = few ? partials.data() + part_base[r] + g * nc * part_size : own.data();
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t j0 = c * len[r] / nc, j1 = (c + 1) * len[r] / nc;
+            ws.partial = part + c * part_size;
+            attend(qg, d, cache, sl + r * ctx + j0, j1 - j0, g, kv_heads, d, rep, float(scale),
+                   og, nullptr, ws,
+                   Lookahead{c == nc - 1 ? la.slots : nullptr, c == nc - 1 ? la.count : 0,
+                             c == 0 ? covered : 0});
+          }
+          ws.partial = nullptr;
+          if (!few) merge_chunks(part, nc, rep, d, og);
         }
         covered = count;
-        item = per_row == 1 ? following : next.fetch_add(1);
+        item = few ? next.fetch_add(1) : following;
       }
     });
+    // few rows: each split (row, KV head)'s chunks came from any thread; merged here
+    if (few)
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t g = 0; chunks[r] > 1 && g < kv_heads; ++g)
+          merge_chunks(partials.data() + part_base[r] + g * chunks[r] * part_size, chunks[r],
+                       rep, d, op + r * heads * d + g * rep * d);
   });
   return out;
 }

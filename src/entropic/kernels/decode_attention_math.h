@@ -17,10 +17,21 @@ inline float dot(const float* q, const T* k, int64_t d) {
 }
 
 // Normalize each head's output by its softmax sum, store it rounded, and add the head's
-// attention probabilities to the row's mass (if asked).
+// attention probabilities to the row's mass (if asked). For a chunk of a split row
+// (`partial`, decode_attention.cpp), each head's unnormalized output, max and sum instead:
+// d + 2 floats a head, merged over the row's chunks by the caller.
 template <typename T>
-void finish_heads(const float* acc, const float* sc, const float* sum, int64_t len, int64_t d,
-                  int64_t rep, T* out, float* mass) {
+void finish_heads(const float* acc, const float* sc, const float* mx, const float* sum,
+                  int64_t len, int64_t d, int64_t rep, T* out, float* mass, float* partial) {
+  if (partial != nullptr) {
+    for (int64_t h = 0; h < rep; ++h) {
+      float* p = partial + h * (d + 2);
+      std::memcpy(p, acc + h * d, d * sizeof(float));
+      p[d] = mx[h];
+      p[d + 1] = sum[h];
+    }
+    return;
+  }
   for (int64_t h = 0; h < rep; ++h) {
     const float inv = 1.f / sum[h];
     T* o = out + h * d;
@@ -68,7 +79,7 @@ void attend_generic(const T* q, int64_t q_head_stride, const T* cache, const int
       for (int64_t i = 0; i < d; ++i) a[i] += p * load(v + i);
     }
   }
-  finish_heads<T>(acc, sc, sum, len, d, rep, out, mass);
+  finish_heads<T>(acc, sc, mx, sum, len, d, rep, out, mass, ws.partial);
 }
 
 constexpr int64_t kMaxVec = 16;  // head_dim up to 256 on the vector paths
@@ -139,7 +150,7 @@ void attend_vec(const T* q, int64_t q_head_stride, const T* cache, const int64_t
       for (int64_t i = 0; i < nv; ++i) store16(a + 16 * i, fmadd(p, kv[i], load16(a + 16 * i)));
     }
   }
-  finish_heads<T>(acc, sc, sum, len, d, rep, out, mass);
+  finish_heads<T>(acc, sc, mx, sum, len, d, rep, out, mass, ws.partial);
 }
 #endif
 
@@ -240,7 +251,7 @@ void attend_bf16(const bf16_bits* q, int64_t q_head_stride, const bf16_bits* cac
   if (mass != nullptr && padded != len)
     for (int64_t h = 1; h < rep; ++h)
       std::memmove(sc + h * len, sc + h * padded, len * sizeof(float));
-  finish_heads<bf16_bits>(acc, sc, sum, len, d, rep, out, mass);
+  finish_heads<bf16_bits>(acc, sc, mx, sum, len, d, rep, out, mass, ws.partial);
 }
 #endif
 
@@ -427,7 +438,7 @@ void attend_avx2(const T* q, int64_t q_head_stride, const T* cache, const int64_
   if (mass != nullptr && padded != len)
     for (int64_t h = 1; h < rep; ++h)
       std::memmove(sc + h * len, sc + h * padded, len * sizeof(float));
-  finish_heads<T>(acc, sc, sum, len, d, rep, out, mass);
+  finish_heads<T>(acc, sc, mx, sum, len, d, rep, out, mass, ws.partial);
 }
 #endif
 

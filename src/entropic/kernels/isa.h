@@ -35,11 +35,14 @@ struct Lookahead {
 
 // Decode attention's per-thread scratch, sized by the caller for one (row, KV head):
 // qf and acc rep * head_dim floats, sc rep * (len rounded up to 16), stat 2 * rep.
+// `partial`: where a chunk of a split row leaves its rep * (head_dim + 2) floats (each head's
+// unnormalized output, max and sum) instead of writing `out` (null: a whole row).
 struct AttendScratch {
   float* qf;
   float* sc;
   float* acc;
   float* stat;
+  float* partial = nullptr;
 };
 
 // Weight-only int4 linear (quant_linear.cpp describes the layout).
