@@ -364,6 +364,8 @@ def main() -> None:
                     help="speed part: decode rows at once")
     ap.add_argument("--rounds", type=int, default=3, help="speed part: alternating rounds")
     ap.add_argument("--steps", type=int, default=32, help="speed part: tokens decoded")
+    ap.add_argument("--quantization", choices=("int4", "int8"), default=None,
+                    help="weight-only quantized projections (default: the model's dtype)")
     args = ap.parse_args()
     if args.threads < 1:
         ap.error("--threads must be at least 1")
@@ -371,8 +373,8 @@ def main() -> None:
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     # on: each configuration finds the dense prefill's blocks in its cache (the docstring)
-    llm = LLM(model=args.model, max_num_batched_tokens=2048, num_kv_blocks=16,
-              enable_prefix_caching=True)
+    llm = LLM(model=args.model, quantization=args.quantization, max_num_batched_tokens=2048,
+              num_kv_blocks=16, enable_prefix_caching=True)
     machine = describe(args.threads)
     log(header(machine))
     papers, plays = load_longdocs("paper"), load_longdocs("play")
@@ -420,7 +422,8 @@ def main() -> None:
         tables.append(speed_table(speed_rows))
     report = "\n\n".join(tables)
     print("\n" + header(machine) + "\n\n" + report)
-    meta = {"machine": machine, "threads": args.threads, "quick": args.quick, "continuation_tokens": cont,
+    meta = {"machine": machine, "threads": args.threads, "quick": args.quick,
+            "quantization": args.quantization, "continuation_tokens": cont,
             "wall_s": time.perf_counter() - t0, "configs": {k: repr(CONFIGS[k]) for k in configs}}
     write_json(args.out, {"meta": meta, "forced": forced_rows, "summaries": sum_rows,
                           "eviction": ev_rows, "scoring": sc_rows, "speed": speed_rows,

@@ -123,6 +123,36 @@ def test_kernel_attends_the_bound_chosen_blocks_like_masked_dense_attention(leve
     assert torch.allclose(ref[2], dense[2]) and not torch.allclose(ref[0], dense[0], atol=1e-3)
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_long_selected_rows_in_chunks_alone_and_in_a_batch(level):
+    # rows attending more than 512 slots after selection are computed in chunks: the masked
+    # reference's numbers, and the same bits alone (chunks over the threads) as in a batch
+    # of 9 (a thread computes a whole row)
+    torch.manual_seed(3)
+    bs, nb = 16, 90
+    kv = _cache(nb, bs, 3, 64, torch.bfloat16, seed=3)
+    lengths = torch.tensor([1440, 1000, 700, 1201, 530, 1440, 900, 17, 1300])
+    keep = torch.tensor([60, 40, 90, 75, 20, 36, 50, 1, 33])  # row 2 dense
+    n, ctx = len(lengths), int(lengths.max())
+    slots = torch.stack([torch.randperm(nb)[torch.arange(ctx) // bs] * bs + torch.arange(ctx) % bs
+                         for _ in range(n)])
+    q = torch.randn(n, 9, 64).bfloat16()
+    sel = QueryAwareSelection(bs, kv.bounds_offset, 1, 2)
+    chosen = bound_selection(q.view(n, 3, 3, 64), kv.kv[0], slots, lengths, keep, sel)
+    ref = _masked_reference(q, kv.kv[0], slots, lengths, chosen, bs, 0.125)
+
+    def run(rows):
+        return torch.ops.entropic.paged_decode_attention(
+            q[rows], kv.kv[0], slots[rows], lengths[rows], 0.125, None, keep[rows], bs,
+            sel.bounds_offset, sel.sink, sel.recent)
+
+    with kernels.forced_isa(level):
+        batch = run(slice(None))
+        assert torch.allclose(batch.double(), ref, atol=2e-2, rtol=2e-2)
+        for r in range(n):
+            assert torch.equal(run(slice(r, r + 1))[0], batch[r])
+
+
 def test_torch_path_selects_like_the_kernel():
     q, kv, slots, lengths, keep, sel = _problem(torch.float32)
     n, ctx = slots.shape

@@ -136,20 +136,80 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const T* qp = ptr<T>(q);
     const T* cache = ptr<T>(kv_cache);
     T* op = ptr<T>(out);
+    const int64_t threads = at::get_num_threads();
+    // Query-aware selection first, for each (row, KV head) whose row attends fewer blocks
+    // than it has: the slots it attends, in block order. Such a row is then computed as a
+    // row of picked.size() slots, chunked like any other.
+    std::vector<std::vector<int64_t>> picked(keep_ptr != nullptr ? n * kv_heads : 0);
+    std::vector<int64_t> eff(len);  // the slots each row attends
+    if (keep_ptr != nullptr) {
+      std::vector<int64_t> todo;  // the selecting rows
+      for (int64_t r = 0; r < n; ++r)
+        if (keep_ptr[r] < (len[r] + block_size - 1) / block_size) todo.push_back(r);
+      const int64_t sel_items = int64_t(todo.size()) * kv_heads;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, std::min(sel_items, threads), 1, [&](int64_t, int64_t) {
+        std::vector<float> qf(rep * d), score;
+        std::vector<int64_t> rows, chosen;
+        for (int64_t item = next.fetch_add(1); item < sel_items; item = next.fetch_add(1)) {
+          const int64_t r = todo[item / kv_heads], g = item % kv_heads;
+          const int64_t nb = (len[r] + block_size - 1) / block_size;
+          const T* qg = qp + r * q.stride(0) + g * rep * d;
+          // candidates: every block but the first `sink` and the last `recent`
+          const int64_t lo = std::min(sink, nb), hi = std::max(lo, nb - recent);
+          const int64_t want = std::max<int64_t>(0, keep_ptr[r] - lo - (nb - hi));
+          const int64_t m = hi - lo;
+          rows.resize(m);
+          score.resize((rep + 1) * m);
+          for (int64_t b = lo; b < hi; ++b)
+            rows[b - lo] = bounds_offset + sl[r * ctx + b * block_size] / block_size;
+          key_bounds(qg, d, cache, rows.data(), m, g, kv_heads, d, rep, qf.data(),
+                     score.data() + m);
+          // a block's score: its largest bound over the query heads (a head whose bound is
+          // high everywhere has peaked attention, where the choice matters most)
+          for (int64_t b = 0; b < m; ++b) {
+            float best = score[m + b];
+            for (int64_t h = 1; h < rep; ++h) best = std::max(best, score[(h + 1) * m + b]);
+            score[b] = best;
+          }
+          chosen.resize(hi - lo);
+          for (int64_t b = 0; b < hi - lo; ++b) chosen[b] = b;
+          const auto better = [&](int64_t a, int64_t b) {  // higher bound, then earlier
+            return score[a] > score[b] || (score[a] == score[b] && a < b);
+          };
+          if (want < hi - lo)
+            std::nth_element(chosen.begin(), chosen.begin() + want, chosen.end(), better);
+          chosen.resize(std::min(want, hi - lo));
+          std::sort(chosen.begin(), chosen.end());
+          std::vector<int64_t>& out_slots = picked[r * kv_heads + g];
+          const auto take = [&](int64_t b) {
+            const int64_t end = std::min(len[r], (b + 1) * block_size);
+            for (int64_t j = b * block_size; j < end; ++j) out_slots.push_back(sl[r * ctx + j]);
+          };
+          for (int64_t b = 0; b < lo; ++b) take(b);
+          for (int64_t c : chosen) take(lo + c);
+          for (int64_t b = hi; b < nb; ++b) take(b);
+        }
+      });
+      // the same count for every KV head: whole blocks but the last, which is always kept
+      for (int64_t r : todo) eff[r] = int64_t(picked[r * kv_heads].size());
+    }
+    // the slots (row r, KV head g) attends
+    const auto slots_of = [&](int64_t r, int64_t g) {
+      return picked.empty() || picked[r * kv_heads + g].empty() ? sl + r * ctx
+                                                                : picked[r * kv_heads + g].data();
+    };
     // Work items are rows, all KV heads of a row in turn: one pass brings the row's slots
     // into cache, whole (with `mass`, a row's heads add into one mass row anyway). With few
     // rows, (row, KV head, chunk) triples instead, so that every thread has work. Rows differ
     // in length: items are handed out one at a time (an atomic counter), so that no thread
     // waits on another's share of long rows.
-    const int64_t threads = at::get_num_threads();
     const bool few = mass_ptr == nullptr && n < 4 * threads;
     const int64_t part_size = rep * (d + 2);  // one chunk's partials (finish_heads)
     // each row's chunks (1: whole), where its KV heads' partials start, its first item
     std::vector<int64_t> chunks(n, 1), part_base(n + 1, 0), first(n + 1, 0);
     for (int64_t r = 0; r < n; ++r) {
-      const bool select =
-          keep_ptr != nullptr && keep_ptr[r] < (len[r] + block_size - 1) / block_size;
-      if (mass_ptr == nullptr && !select) chunks[r] = chunk_count(len[r]);
+      if (mass_ptr == nullptr) chunks[r] = chunk_count(eff[r]);
       part_base[r + 1] = part_base[r] + (chunks[r] > 1 ? kv_heads * chunks[r] * part_size : 0);
       first[r + 1] = first[r] + (few ? kv_heads * chunks[r] : 1);
     }
@@ -159,8 +219,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     at::parallel_for(0, std::min(items, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> buf;  // the scratch of one (row, KV head), grown as rows need
       std::vector<float> own;  // a whole row's partials, one KV head at a time
-      std::vector<int64_t> rows, chosen, picked;  // query-aware selection: bound rows, order
-      std::vector<float> score;
       // With whole rows as items, a thread claims its next row before it starts the current
       // one and fetches that row's first kLookaheadSlots slots while it computes: a row's
       // first pass over its scattered blocks would otherwise wait on memory.
@@ -168,77 +226,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       int64_t r = 0;
       for (int64_t item = next.fetch_add(1); item < items;) {
         const int64_t following = few ? items : next.fetch_add(1);
-        while (first[r + 1] <= item) ++r;  // items are claimed in increasing order
-        const int64_t local = item - first[r], nc = chunks[r];
+        while (first[r + 1] <= item) ++r;  // a thread's items come in increasing order
+        const int64_t local = item - first[r], nc = chunks[r], length = eff[r];
         const int64_t g0 = few ? local / nc : 0, g1 = few ? g0 + 1 : kv_heads;
         const int64_t c0 = few ? local % nc : 0, c1 = few ? c0 + 1 : nc;
         const bool ahead = following < items;  // never with (row, KV head) items
         const int64_t count = ahead ? std::min(len[following], kLookaheadSlots) : 0;
-        const int64_t padded = (len[r] + 15) / 16 * 16;
+        const int64_t padded = (length + 15) / 16 * 16;
         buf.resize(std::max<int64_t>(buf.size(), rep * (2 * d + padded + 2)));
         AttendScratch ws{buf.data(), buf.data() + rep * d, buf.data() + rep * (d + padded),
                          buf.data() + rep * (2 * d + padded)};
-        const int64_t nb = keep_ptr ? (len[r] + block_size - 1) / block_size : 0;
-        const bool select = keep_ptr != nullptr && keep_ptr[r] < nb;
         if (!few && nc > 1) own.resize(std::max<int64_t>(own.size(), nc * part_size));
         for (int64_t g = g0; g < g1; ++g) {
           const T* qg = qp + r * q.stride(0) + g * rep * d;
           T* og = op + r * heads * d + g * rep * d;
-          if (select) {
-            // candidates: every block but the first `sink` and the last `recent`
-            const int64_t lo = std::min(sink, nb), hi = std::max(lo, nb - recent);
-            const int64_t want = std::max<int64_t>(0, keep_ptr[r] - lo - (nb - hi));
-            const int64_t m = hi - lo;
-            rows.resize(m);
-            score.resize((rep + 1) * m);
-            for (int64_t b = lo; b < hi; ++b)
-              rows[b - lo] = bounds_offset + sl[r * ctx + b * block_size] / block_size;
-            key_bounds(qg, d, cache, rows.data(), m, g, kv_heads, d, rep, ws.qf,
-                       score.data() + m);
-            // a block's score: its largest bound over the query heads (a head whose bound
-            // is high everywhere has peaked attention, where the choice matters most)
-            for (int64_t b = 0; b < m; ++b) {
-              float best = score[m + b];
-              for (int64_t h = 1; h < rep; ++h) best = std::max(best, score[(h + 1) * m + b]);
-              score[b] = best;
-            }
-            chosen.resize(hi - lo);
-            for (int64_t b = 0; b < hi - lo; ++b) chosen[b] = b;
-            const auto better = [&](int64_t a, int64_t b) {  // higher bound, then earlier
-              return score[a] > score[b] || (score[a] == score[b] && a < b);
-            };
-            if (want < hi - lo)
-              std::nth_element(chosen.begin(), chosen.begin() + want, chosen.end(), better);
-            chosen.resize(std::min(want, hi - lo));
-            std::sort(chosen.begin(), chosen.end());
-            picked.clear();  // the attended slots, in block order
-            const auto take = [&](int64_t b) {
-              const int64_t end = std::min(len[r], (b + 1) * block_size);
-              for (int64_t j = b * block_size; j < end; ++j) picked.push_back(sl[r * ctx + j]);
-            };
-            for (int64_t b = 0; b < lo; ++b) take(b);
-            for (int64_t c : chosen) take(lo + c);
-            for (int64_t b = hi; b < nb; ++b) take(b);
-            attend(qg, d, cache, picked.data(), int64_t(picked.size()), g, kv_heads, d, rep,
-                   float(scale), og, nullptr, ws, Lookahead{});
-            continue;
-          }
+          const int64_t* rs = slots_of(r, g);
           // the next row's slots, a share per KV head (fetched during the head's last chunk)
           const Lookahead la{ahead ? sl + following * ctx + g * count / kv_heads : nullptr,
-                             (g + 1) * count / kv_heads - g * count / kv_heads, covered};
+                             (g + 1) * count / kv_heads - g * count / kv_heads,
+                             rs == sl + r * ctx ? covered : 0};
           if (nc == 1) {
-            attend(qg, d, cache, sl + r * ctx, len[r], g, kv_heads, d, rep, float(scale), og,
+            attend(qg, d, cache, rs, length, g, kv_heads, d, rep, float(scale), og,
                    mass_ptr ? mass_ptr + r * ctx : nullptr, ws, la);
             continue;
           }
           float* part = few ? partials.data() + part_base[r] + g * nc * part_size : own.data();
           for (int64_t c = c0; c < c1; ++c) {
-            const int64_t j0 = c * len[r] / nc, j1 = (c + 1) * len[r] / nc;
+            const int64_t j0 = c * length / nc, j1 = (c + 1) * length / nc;
             ws.partial = part + c * part_size;
-            attend(qg, d, cache, sl + r * ctx + j0, j1 - j0, g, kv_heads, d, rep, float(scale),
-                   og, nullptr, ws,
+            attend(qg, d, cache, rs + j0, j1 - j0, g, kv_heads, d, rep, float(scale), og,
+                   nullptr, ws,
                    Lookahead{c == nc - 1 ? la.slots : nullptr, c == nc - 1 ? la.count : 0,
-                             c == 0 ? covered : 0});
+                             c == 0 ? la.covered : 0});
           }
           ws.partial = nullptr;
           if (!few) merge_chunks(part, nc, rep, d, og);
