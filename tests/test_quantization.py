@@ -212,6 +212,45 @@ def test_fused_decode_stack_gives_the_layer_loops_bits(chat_prompts):
     assert run(prompts[:1]) + run(prompts) == fused
 
 
+@pytest.mark.model
+def test_fused_decode_stack_selects_blocks_like_the_layer_loop(chat_prompts):
+    """With a block budget (query-aware selection in each layer and KV head), the fused
+    stack runs and gives the layer loop's tokens and entropies to the bit."""
+    from entropic import LLM
+    from entropic.control.pruning import EntropicBlockPruner, PruningConfig
+    from entropic.engine.engine import LLMEngine
+    if not torch.ops.entropic.int4_linear_supported():
+        pytest.skip("this level has no int4 kernel: nothing to fuse")
+    llm = LLM(quantization="int4", max_num_batched_tokens=256, kv_cache_gib=0.25,
+              enable_prefix_caching=False)
+    eng, model = llm.engine, llm.engine.model
+    selected = []
+    group = model._fused_group
+
+    def spy(meta, rows):
+        g = group(meta, rows)
+        if g is not None and g.keep is not None:
+            selected.append(rows)
+        return g
+    model._fused_group = spy
+    long_prompt = [t for p in chat_prompts[:8] for t in p][:700]
+    sp = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+
+    def run():
+        cfg = PruningConfig(score="bound", min_keep_fraction=0.3, h_high=50.0,
+                            min_attention_share=0.0)
+        e = LLMEngine(eng.model, eng.tokenizer, eng.config,
+                      block_policy=EntropicBlockPruner(cfg, 16))
+        for i, p in enumerate((long_prompt, long_prompt[:400])):
+            e.add_request(f"r{i}", p, sp)
+        return sorted((o.request_id, o.token_ids, o.entropies) for o in e.run_until_done())
+
+    fused = run()
+    assert selected and max(selected) == 2
+    model.fused_decode = False
+    assert run() == fused
+
+
 def test_fused_decode_stack_refuses_mismatched_arguments_clearly():
     from entropic import kernels as native
     native.load()

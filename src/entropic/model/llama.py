@@ -244,13 +244,14 @@ class LlamaModel:
 
     def _fused_group(self, meta: AttentionMetadata, rows: int):
         """The decode group if this step can run as one `decode_layers_` call: decode rows
-        only, in one group in batch order, every row attending its whole context."""
+        only, in one group in batch order (rows with a block budget select in each layer, as
+        the layer loop's attention does)."""
         if (not self.fused_decode or self._stack is None or meta.prefills
                 or meta.num_decode != rows
                 or len(meta.decode_groups) != 1 or meta.decode_order is not None):
             return None
         g = meta.decode_groups[0]
-        return g if g.keep is None and g.start == 0 and g.end == rows else None
+        return g if g.start == 0 and g.end == rows else None
 
     def make_kv_cache(self, num_blocks: int, block_size: int, key_bounds: bool = False
                       ) -> KVCache:
@@ -270,10 +271,13 @@ class LlamaModel:
             g = self._fused_group(meta, x.shape[0])
             if g is not None:
                 c = self.config
+                sel = g.selection
+                extra = () if sel is None else (g.keep, sel.block_size, sel.bounds_offset,
+                                                 sel.sink, sel.recent)
                 torch.ops.entropic.decode_layers_(
                     x, self._stack, kv.kv, meta.slot_mapping, rope[0], rope[1],
                     g.slots.view(g.end, g.ctx), g.lengths, g.mass, self.scale, c.rms_norm_eps,
-                    c.num_heads, c.num_kv_heads)
+                    c.num_heads, c.num_kv_heads, *extra)
             else:
                 for i, layer in enumerate(self.layers):
                     x = self._layer(layer, x, rope, meta, kv.kv[i])
