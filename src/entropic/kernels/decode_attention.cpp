@@ -182,9 +182,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
           chosen.resize(std::min(want, hi - lo));
           std::sort(chosen.begin(), chosen.end());
           std::vector<int64_t>& out_slots = picked[r * kv_heads + g];
+          out_slots.reserve((lo + chosen.size() + nb - hi) * block_size);
           const auto take = [&](int64_t b) {
-            const int64_t end = std::min(len[r], (b + 1) * block_size);
-            for (int64_t j = b * block_size; j < end; ++j) out_slots.push_back(sl[r * ctx + j]);
+            const int64_t* row = sl + r * ctx;
+            out_slots.insert(out_slots.end(), row + b * block_size,
+                             row + std::min(len[r], (b + 1) * block_size));
           };
           for (int64_t b = 0; b < lo; ++b) take(b);
           for (int64_t c : chosen) take(lo + c);

@@ -453,6 +453,44 @@ void key_bounds(const T* q, int64_t q_head_stride, const T* cache, const int64_t
                 int64_t n, int64_t kv_head, int64_t kv_heads, int64_t d, int64_t rep,
                 float* qf, float* out) {
   const int64_t slot_size = 2 * kv_heads * d;
+#if defined(ENTROPIC_SIMD_AVX2)
+  if (d % 16 == 0) {
+    // the queries in load_pair's order; 8 blocks' bounds reduced together (sum8x8)
+    for (int64_t h = 0; h < rep; ++h)
+      for (int64_t c = 0; c < d / 16; ++c)
+        for (int v = 0; v < 2; ++v)
+          for (int l = 0; l < 8; ++l)
+            qf[h * d + 16 * c + 8 * v + l] =
+                load(q + h * q_head_stride + 16 * c + pair_element<T>(v, l));
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const int64_t m = std::min<int64_t>(8, n - j0);
+      for (int64_t h = 0; h < rep; ++h) {
+        const float* qh = qf + h * d;
+        __m256 part[8];
+        for (int64_t j = 0; j < 8; ++j) {
+          part[j] = _mm256_setzero_ps();
+          if (j >= m) continue;
+          const T* mn = cache + rows[j0 + j] * slot_size + kv_head * d;
+          const T* mx = mn + kv_heads * d;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+          for (int64_t c = 0; c < d; c += 16) {
+            __m256 n0, n1, x0, x1;
+            load_pair(mn + c, n0, n1);
+            load_pair(mx + c, x0, x1);
+            const __m256 q0 = _mm256_loadu_ps(qh + c), q1 = _mm256_loadu_ps(qh + c + 8);
+            a0 = _mm256_add_ps(a0, _mm256_max_ps(_mm256_mul_ps(q0, n0), _mm256_mul_ps(q0, x0)));
+            a1 = _mm256_add_ps(a1, _mm256_max_ps(_mm256_mul_ps(q1, n1), _mm256_mul_ps(q1, x1)));
+          }
+          part[j] = _mm256_add_ps(a0, a1);
+        }
+        alignas(32) float b[8];
+        _mm256_store_ps(b, sum8x8(part));
+        for (int64_t j = 0; j < m; ++j) out[h * n + j0 + j] = b[j];
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t h = 0; h < rep; ++h)
     for (int64_t i = 0; i < d; ++i) qf[h * d + i] = load(q + h * q_head_stride + i);
 #if defined(ENTROPIC_SIMD)
