@@ -462,8 +462,17 @@ void key_bounds(const T* q, int64_t q_head_stride, const T* cache, const int64_t
           for (int l = 0; l < 8; ++l)
             qf[h * d + 16 * c + 8 * v + l] =
                 load(q + h * q_head_stride + 16 * c + pair_element<T>(v, l));
+    const int64_t bytes = d * int64_t(sizeof(T));
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
       const int64_t m = std::min<int64_t>(8, n - j0);
+      // the next 8 blocks' bound rows (scattered, one per block) while these are computed
+      for (int64_t j = j0 + 8; j < std::min(n, j0 + 16); ++j) {
+        const char* mn = reinterpret_cast<const char*>(cache + rows[j] * slot_size + kv_head * d);
+        for (int64_t b = 0; b < bytes; b += 64) {
+          _mm_prefetch(mn + b, _MM_HINT_T0);
+          _mm_prefetch(mn + kv_heads * bytes + b, _MM_HINT_T0);
+        }
+      }
       for (int64_t h = 0; h < rep; ++h) {
         const float* qh = qf + h * d;
         __m256 part[8];
