@@ -42,19 +42,19 @@ inline int64_t chunk_count(int64_t len) { return (len + kChunkKeys - 1) / kChunk
 template <typename T>
 void merge_chunks(const float* part, int64_t chunks, int64_t rep, int64_t d, T* out) {
   const int64_t part_size = rep * (d + 2);
-  std::vector<float> w(chunks), acc(d);
+  std::vector<float> acc(d);
   for (int64_t h = 0; h < rep; ++h) {
     const float* ph = part + h * (d + 2);
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < chunks; ++c) m = std::max(m, ph[c * part_size + d]);
     float total = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      w[c] = std::exp(ph[c * part_size + d] - m);
-      total += ph[c * part_size + d + 1] * w[c];
-    }
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t i = 0; i < d; ++i) acc[i] += ph[c * part_size + i] * w[c];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* pc = ph + c * part_size;
+      const float w = std::exp(pc[d] - m);
+      total += pc[d + 1] * w;
+      for (int64_t i = 0; i < d; ++i) acc[i] += pc[i] * w;
+    }
     const float inv = 1.f / total;
     T* o = out + h * d;
     for (int64_t i = 0; i < d; ++i) store(o + i, round_to(acc[i] * inv, o));

@@ -276,6 +276,17 @@ constexpr int pair_element(int v, int l) {
   return std::is_same_v<T, float> ? 8 * v + l : 2 * l + v;
 }
 
+// The rep query heads (head_dim d, a multiple of 16) in fp32, in load_pair's order.
+template <typename T>
+void queries_in_pair_order(const T* q, int64_t q_head_stride, int64_t rep, int64_t d,
+                           float* qf) {
+  for (int64_t h = 0; h < rep; ++h)
+    for (int64_t c = 0; c < d; c += 16)
+      for (int v = 0; v < 2; ++v)
+        for (int l = 0; l < 8; ++l)
+          qf[h * d + c + 8 * v + l] = load(q + h * q_head_stride + c + pair_element<T>(v, l));
+}
+
 // Lane j of the result: the sum of the 8 lanes of v[j] (a fixed tree of adds).
 inline __m256 sum8x8(const __m256* v) {
   // [v0 v1 v2 v3 | v0 v1 v2 v3]: the sums of lanes 0..3, then of lanes 4..7
@@ -355,13 +366,7 @@ void attend_avx2(const T* q, int64_t q_head_stride, const T* cache, const int64_
   constexpr bool kKeepKey = NC <= 4;  // a key in registers: 2 * NC of the 16
   const int64_t slot_size = 2 * kv_heads * d, padded = (len + 15) / 16 * 16;
   float *qf = ws.qf, *sc = ws.sc, *acc = ws.acc;
-  // the queries in load_pair's order, in fp32
-  for (int64_t h = 0; h < rep; ++h)
-    for (int64_t c = 0; c < NC; ++c)
-      for (int v = 0; v < 2; ++v)
-        for (int l = 0; l < 8; ++l)
-          qf[h * d + 16 * c + 8 * v + l] =
-              load(q + h * q_head_stride + 16 * c + pair_element<T>(v, l));
+  queries_in_pair_order(q, q_head_stride, rep, d, qf);
   alignas(32) float part[kMaxRep][8][8];
   for (int64_t j0 = 0; j0 < len; j0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - j0);
@@ -455,13 +460,8 @@ void key_bounds(const T* q, int64_t q_head_stride, const T* cache, const int64_t
   const int64_t slot_size = 2 * kv_heads * d;
 #if defined(ENTROPIC_SIMD_AVX2)
   if (d % 16 == 0) {
-    // the queries in load_pair's order; 8 blocks' bounds reduced together (sum8x8)
-    for (int64_t h = 0; h < rep; ++h)
-      for (int64_t c = 0; c < d / 16; ++c)
-        for (int v = 0; v < 2; ++v)
-          for (int l = 0; l < 8; ++l)
-            qf[h * d + 16 * c + 8 * v + l] =
-                load(q + h * q_head_stride + 16 * c + pair_element<T>(v, l));
+    // 8 blocks' bounds reduced together (sum8x8)
+    queries_in_pair_order(q, q_head_stride, rep, d, qf);
     const int64_t bytes = d * int64_t(sizeof(T));
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
       const int64_t m = std::min<int64_t>(8, n - j0);
