@@ -41,8 +41,9 @@ BLOCK = 16
 
 
 def _ungated(**kw) -> PruningConfig:
-    """A configuration with the no-regret gate off: the mechanism itself, at every context."""
-    return PruningConfig(min_attention_share=0.0, **kw)
+    """A configuration with the no-regret gate off: the mechanism itself, at every context
+    (decodes only: the prompt's tail is prefilled densely, so only decode steps differ)."""
+    return PruningConfig(min_attention_share=0.0, prefill_delta=None, **kw)
 
 
 CONFIGS = {

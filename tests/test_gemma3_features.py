@@ -138,6 +138,9 @@ class AttendEveryBlock:
     def bind(self, cost):
         pass
 
+    def prefill_sparsity(self, req, start, num_tokens):
+        return None
+
     def select(self, req, live, num_blocks, decode_rows=1):
         return BlockSelection(list(live))
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from entropic import kernels
+from entropic.model.attention import PrefillSparsity, sparse_prefill_keep
 from entropic.model.llama import RotaryEmbedding, rms_norm
 
 kernels.load()
@@ -420,6 +421,97 @@ def test_prefill_attention_does_not_depend_on_chunking(vector_isa, dtype):
     whole = E.prefill_attention(q, cache, slots, 0, 0.125)
     for cut in (1, 64, 137, 199):
         assert torch.equal(E.prefill_attention(q[cut:], cache, slots, cut, 0.125), whole[cut:])
+
+
+def _structured_prefill(seed, nk, T, dtype, H=9, KVH=3, D=64, hot=0.3):
+    """A cache whose key blocks of 64 are "hot" (aligned with the queries) at random, the
+    rest small: scores concentrate, so a block-sparse prefill has blocks to skip."""
+    g = _gen(seed)
+    S = nk + 50
+    cache = torch.randn(S, 2, KVH, D, generator=g) * 0.05
+    v = torch.randn(KVH, D, generator=g)
+    slots = torch.randperm(S, generator=g)[:nk]
+    hot_keys = torch.zeros(nk, dtype=torch.bool)
+    for b in range(0, nk, 64):
+        hot_keys[b:b + 64] = bool(torch.rand((), generator=g) < hot)
+    cache[slots[hot_keys], 0] += v
+    q = v.repeat_interleave(H // KVH, 0)[None] * 0.6 + 0.3 * torch.randn(T, H, D, generator=g)
+    return q.to(dtype), cache.to(dtype), slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,start", [(500, 0), (200, 700), (16, 1000), (77, 130)])
+def test_sparse_prefill_attends_the_selected_blocks(vector_isa, dtype, T, start):
+    """entropic.prefill_attention_sparse against torch: the same blocks (sparse_prefill_keep,
+    fp64 bounds), the same pairs, and fp64 softmax attention restricted to them."""
+    q, cache, slots = _structured_prefill(T + start, start + T, T, dtype)
+    sp = PrefillSparsity(2.0, 1, 2)
+    out, pairs = E.prefill_attention_sparse(q, cache, slots, start, 0.125, sp.delta, sp.sink,
+                                            sp.recent)
+    keep, want_pairs = sparse_prefill_keep(q, cache, slots, start, 0.125, sp)
+    dense_pairs = 3 * (T * start + T * (T + 1) // 2)
+    assert pairs == want_pairs < dense_pairs  # something was skipped, as torch chose
+    # the reference: fp64 attention over the kept blocks only
+    nk = start + T
+    m = keep.repeat_interleave(16, 0)[:T].repeat_interleave(64, 2)[..., :nk]  # [T, KVH, nk]
+    m = m.repeat_interleave(3, 1).transpose(0, 1)  # [H, T, nk]
+    ctx = cache[slots].double()
+    k = ctx[:, 0].repeat_interleave(3, dim=1).transpose(0, 1)
+    v = ctx[:, 1].repeat_interleave(3, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * 0.125
+    causal = torch.arange(nk)[None, :] <= (start + torch.arange(T))[:, None]
+    p = scores.masked_fill(~(causal & m), -math.inf).softmax(-1)
+    want = (p @ v).transpose(0, 1).reshape(T, 9 * 64)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert (out.double() - want).abs().max() <= tol * want.abs().max()
+    # the sink block and each tile's own block are always attended
+    assert keep[:, :, 0].all()
+    for t in range(keep.shape[0]):
+        assert keep[t, :, (start + 16 * t) // 64].all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_prefill_with_a_threshold_that_never_binds_is_dense(vector_isa, dtype):
+    q, cache, slots = _structured_prefill(5, 900, 200, dtype)
+    dense = E.prefill_attention(q, cache, slots, 700, 0.125)
+    out, pairs = E.prefill_attention_sparse(q, cache, slots, 700, 0.125, 1e30, 0, 1)
+    assert torch.equal(out, dense) and pairs == 3 * (200 * 700 + 200 * 201 // 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_prefill_does_not_depend_on_chunking(vector_isa, dtype):
+    """Tiles of 16 positions and blocks of 64 keys aligned to position 0: a chunk cut at a
+    multiple of 16 gives the same bits (and pairs) as inside the whole prompt."""
+    q, cache, slots = _structured_prefill(12, 600, 600, dtype)
+    whole, pairs = E.prefill_attention_sparse(q, cache, slots, 0, 0.125, 2.0, 1, 2)
+    parts = 0
+    for a, b in ((0, 96), (96, 448), (448, 600)):
+        out, n = E.prefill_attention_sparse(q[a:b], cache, slots[:b], a, 0.125, 2.0, 1, 2)
+        assert torch.equal(out, whole[a:b])
+        parts += n
+    assert parts == pairs
+
+
+def test_sparse_prefill_keeps_blocks_whose_keys_are_nan(vector_isa):
+    """A NaN key makes its KV head's bounds NaN: every block of that head is kept, so its
+    query heads get the dense kernel's numbers, while the other heads stay sparse."""
+    q, cache, slots = _structured_prefill(3, 400, 100, torch.float32)
+    _, clean = E.prefill_attention_sparse(q, cache, slots, 300, 0.125, 0.5, 1, 2)
+    cache[slots[70], 0, 1, 5] = math.nan  # block 1, KV head 1
+    out, pairs = E.prefill_attention_sparse(q, cache, slots, 300, 0.125, 0.5, 1, 2)
+    dense = E.prefill_attention(q, cache, slots, 300, 0.125)
+    assert torch.equal(out.view(100, 9, 64)[:, 3:6], dense.view(100, 9, 64)[:, 3:6])
+    assert clean < pairs < 3 * (100 * 300 + 100 * 101 // 2)
+
+
+def test_sparse_prefill_rejects_bad_parameters(vector_isa):
+    q, cache, slots = _structured_prefill(3, 100, 100, torch.float32)
+    with pytest.raises(RuntimeError, match="delta must be >= 0"):
+        E.prefill_attention_sparse(q, cache, slots, 0, 0.125, -1.0, 1, 2)
+    with pytest.raises(RuntimeError, match="recent >= 1"):
+        E.prefill_attention_sparse(q, cache, slots, 0, 0.125, 1.0, 1, 0)
+    with pytest.raises(RuntimeError, match="slot .* out of range"):
+        E.prefill_attention_sparse(q, cache, slots + 1000, 0, 0.125, 1.0, 1, 2)
 
 
 def test_prefill_attention_rejects_bad_input(vector_isa):

@@ -292,6 +292,9 @@ class OfferNothing:
     def bind(self, cost):
         pass
 
+    def prefill_sparsity(self, req, start, num_tokens):
+        return None
+
     def select(self, req, live, num_blocks, decode_rows):
         from entropic.engine.block_policy import BlockSelection
         return BlockSelection(None)

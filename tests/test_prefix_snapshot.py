@@ -38,6 +38,9 @@ class SurprisalPolicy:
     def bind(self, cost):
         pass
 
+    def prefill_sparsity(self, req, start, num_tokens):
+        return None
+
     def select(self, req, live, num_blocks, decode_rows):
         from entropic.engine.block_policy import BlockSelection
         return BlockSelection(None)
@@ -295,7 +298,8 @@ def test_prefilled_prompt_keeps_the_pruning_benchmarks_semantics(llm_bf16):
     firsts, scores = {}, {}
     for score in (None, "mass", "surprisal", "hybrid", "bound"):
         pruner = (EntropicBlockPruner(PruningConfig(score=score, min_keep_fraction=0.25,
-                                                    min_attention_share=0.0), 16)
+                                                    min_attention_share=0.0,
+                                                    prefill_delta=None), 16)
                   if score else None)
         if score in ("surprisal", "hybrid"):
             seen = scores[score] = {}

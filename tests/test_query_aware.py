@@ -2,6 +2,9 @@
 layer and KV head against masked dense attention at every ISA level, the KV cache's bound
 rows, the no-regret gate, and the real model (a budget that never binds is bit-identical
 to dense)."""
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +17,8 @@ from entropic.engine.block_policy import BlockBudget
 from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.request import Request
-from entropic.model.attention import (DecodeGroup, KVCache, QueryAwareSelection,
-                                      _decode_group, bound_selection)
+from entropic.model.attention import (DecodeGroup, KVCache, PrefillSparsity,
+                                      QueryAwareSelection, _decode_group, bound_selection)
 from entropic.sampling_params import SamplingParams
 
 LEVELS = kernels.isa_levels()
@@ -193,6 +196,62 @@ def test_the_gate_prunes_only_where_attention_is_a_real_share():
     assert never.select(req, list(range(512)), 512, 64).budget is None
 
 
+def test_prefill_is_sparse_only_where_its_attention_is_a_real_share():
+    """The gate priced for prefill (FLOPs): SmolLM2's first 512-token chunk spends ~8 % of
+    its FLOPs in attention, a chunk after 4k cached tokens ~60 %."""
+    cost = _smollm_cost()
+    assert 0.05 < cost.prefill_attention_share(0, 512) < 0.1
+    assert 0.5 < cost.prefill_attention_share(4096, 512) < 0.7
+    req = Request("r", list(range(8)), SamplingParams(max_tokens=10), 0.0)
+    pruner = EntropicBlockPruner(PruningConfig(), 16)
+    pruner.bind(cost)
+    assert pruner.prefill_sparsity(req, 0, 512) is None
+    # sink: 1 block of 16 -> 1 block of 64 keys; recent: 2 of 16 -> the tile's own + 1
+    assert pruner.prefill_sparsity(req, 4096, 512) == PrefillSparsity(3.0, 1, 2)
+    wide = EntropicBlockPruner(PruningConfig(sink_blocks=5, recent_blocks=9,
+                                             prefill_delta=1.5), 16)
+    wide.bind(cost)
+    assert wide.prefill_sparsity(req, 4096, 512) == PrefillSparsity(1.5, 2, 4)
+    ungated = EntropicBlockPruner(PruningConfig(min_attention_share=0.0), 16)
+    ungated.bind(cost)
+    assert ungated.prefill_sparsity(req, 0, 512) == PrefillSparsity(3.0, 1, 2)
+    off = EntropicBlockPruner(PruningConfig(prefill_delta=None, min_attention_share=0.0), 16)
+    assert off.prefill_sparsity(req, 4096, 512) is None
+
+
+@pytest.mark.parametrize("bad", [-0.5, math.inf, math.nan, True, "3"])
+def test_bad_prefill_delta_names_the_field(bad):
+    with pytest.raises(ValueError, match="prefill_delta"):
+        PruningConfig(prefill_delta=bad)
+
+
+@pytest.mark.model
+def test_sparse_prefill_skips_pairs_and_charges_only_what_it_attended(llm_fp32, chat_prompts):
+    """A 2k-token prompt, pruning on with its defaults: prefill chunks after the first run
+    block-sparse; the cost model charges the attended pairs the kernel counted, the linear
+    work is unchanged, and no KV block is left behind."""
+    prompt = [t for p in chat_prompts for t in p][:2048]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng = llm_fp32.engine
+    runs = {}
+    for name, cfg in (("dense", PruningConfig(prefill_delta=None)), ("sparse", PruningConfig())):
+        e = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, enable_prefix_caching=False),
+                      block_policy=EntropicBlockPruner(cfg, 16))
+        e.add_request("x", prompt, sp)
+        (out,) = e.run_until_done()
+        assert len(out.token_ids) == 4
+        assert e.kv.pool.num_free == e.kv.pool.num_blocks
+        runs[name] = e.stats
+    d, s = runs["dense"], runs["sparse"]
+    assert d.prefill_pairs_dense == 0 and d.prefill_pairs_attended == 0
+    assert 0 < s.prefill_pairs_attended < 0.9 * s.prefill_pairs_dense
+    skipped = s.prefill_pairs_dense - s.prefill_pairs_attended
+    per_pair = eng.model.config.num_layers * 4 * 9 * 64
+    assert d.cost.flops_attention - s.cost.flops_attention == pytest.approx(skipped * per_pair,
+                                                                            rel=1e-6)
+    assert s.cost.flops_linear == d.cost.flops_linear
+
+
 def test_bound_pruning_refuses_eviction_clearly():
     with pytest.raises(ValueError, match="evict"):
         PruningConfig(score="bound", evict=True)
@@ -206,7 +265,7 @@ def test_a_budget_that_never_binds_is_bit_identical_to_dense(llm_fp32, chat_prom
     runs = {}
     for name, cfg in (("dense", None),
                       ("bound", PruningConfig(score="bound", min_keep_fraction=1.0,
-                                              min_attention_share=0.0))):
+                                              min_attention_share=0.0, prefill_delta=None))):
         pruner = EntropicBlockPruner(cfg, 16) if cfg else None
         e = LLMEngine(eng.model, eng.tokenizer, eng.config, block_policy=pruner)
         e.add_request("x", prompt, sp)

@@ -32,6 +32,16 @@ theta_t as a budget: the sequence keeps the ceil(rho(H_t) * live) highest-I_b bl
 so theta_t (the lowest I_b kept) rises as H_t falls. H_t is the entropy of the step that
 produced the token being decoded, floored at h_floor (design section 3).
 
+Block-sparse prefill (`prefill_delta`, on by default with pruning): a prompt has no sampled
+distribution to take an entropy from, so its chunks follow the attention's own
+concentration instead. Each tile of 16 prompt positions attends, per layer and KV head,
+the blocks of 64 keys whose key bound (as "bound" above) comes within `prefill_delta`
+logits of the tile's rows' best bound, plus the sink and the most recent blocks
+(`entropic.model.attention.PrefillSparsity`): where a few blocks dominate the scores, the
+rest are skipped; where scores are flat, everything is kept. The same no-regret gate,
+priced for prefill (arithmetic, not bytes: `CostModel.prefill_attention_share`), keeps
+short prompts dense. docs/pruning.md measures its quality and speed.
+
 Eviction (`evict=True`): when KV blocks run out, the lowest-I_b unprotected blocks of
 running sequences (I_b relative to the sequence's mean, so that sequences compare) are
 given back to the pool for good instead of preempting a sequence; a sequence keeps at
@@ -46,6 +56,7 @@ from typing import Sequence
 from entropic.engine.block_policy import BlockBudget, BlockSelection
 from entropic.engine.cost import CostModel
 from entropic.engine.request import Request
+from entropic.model.attention import SPARSE_PREFILL_KEYS, PrefillSparsity
 
 SCORES = ("mass", "surprisal", "hybrid", "bound")
 
@@ -72,6 +83,9 @@ class PruningConfig:
     # no-regret gate: prune a decode only where its attention is at least this share of
     # its cost by the engine's cost model (0: always)
     min_attention_share: float = 0.2
+    # block-sparse prefill: skip a prompt tile's blocks of 64 keys whose key bound is more
+    # than this many logits below the tile's best (None: dense prefills)
+    prefill_delta: float | None = 3.0
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -108,6 +122,12 @@ class PruningConfig:
             raise ValueError("pruning.evict needs a stored I_b per block (score 'mass', "
                              "'surprisal' or 'hybrid'); score 'bound' ranks blocks by the "
                              "current query only")
+        if self.prefill_delta is not None and (
+                isinstance(self.prefill_delta, bool)
+                or not isinstance(self.prefill_delta, (int, float))
+                or not 0.0 <= self.prefill_delta < math.inf):
+            raise ValueError(f"pruning.prefill_delta must be None or a finite number >= 0, "
+                             f"got {self.prefill_delta!r}")
         if not 0.0 <= self.mass_decay < 1.0:
             raise ValueError(f"pruning.mass_decay must be in [0, 1), got {self.mass_decay}")
 
@@ -158,6 +178,24 @@ class EntropicBlockPruner:
             return True
         share = self._cost.attention_share(num_live * self.block_size, decode_rows)
         return share >= self.config.min_attention_share
+
+    def prefill_sparsity(self, req: Request, start: int, num_tokens: int
+                         ) -> PrefillSparsity | None:
+        """Block-sparse prefill for a chunk of `num_tokens` prompt tokens after `start`:
+        None (dense) with `prefill_delta` None or where the chunk's attention is below
+        `min_attention_share` of its FLOPs. The sink and recent spans are the decode's,
+        in the prefill kernel's blocks of 64 keys (the recent ones end with the tile's own)."""
+        cfg = self.config
+        if cfg.prefill_delta is None:
+            return None
+        if (self._cost is not None and cfg.min_attention_share > 0
+                and self._cost.prefill_attention_share(start, num_tokens)
+                < cfg.min_attention_share):
+            return None
+        keys = SPARSE_PREFILL_KEYS
+        sink = -(-cfg.sink_blocks * self.block_size // keys)
+        recent = 1 + -(-cfg.recent_blocks * self.block_size // keys)
+        return PrefillSparsity(float(cfg.prefill_delta), sink, recent)
 
     # ---- scores -------------------------------------------------------------------------
     def scores(self, request_id: str, indices: Sequence[int]) -> list[float] | None:

@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 
 from entropic.engine.cost import CostModel
 from entropic.engine.request import Request
+from entropic.model.attention import PrefillSparsity
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class KVBlockPolicy(Protocol):
         """The blocks the request's next decode attends, chosen from `live` (the indices of
         its table not evicted); `num_blocks` blocks hold its context; the step decodes
         `decode_rows` rows."""
+        ...
+
+    def prefill_sparsity(self, req: Request, start: int, num_tokens: int
+                         ) -> PrefillSparsity | None:
+        """How a prefill chunk of `num_tokens` prompt tokens after `start` computed ones
+        attends (block-sparse prefill), or None: densely."""
         ...
 
     def observe(self, req: Request, positions: Sequence[int], surprisal: Sequence[float],

@@ -61,6 +61,14 @@ class CostModel:
         kv = self.kv_bytes_per_position * context
         return kv / (kv + self.weight_bytes / max(rows, 1))
 
+    def prefill_attention_share(self, start: int, num_tokens: int) -> float:
+        """Prefill is bound by arithmetic: the share of a chunk's FLOPs (`num_tokens` new
+        tokens after `start` cached ones, dense) that its attention computes."""
+        w = dense_work("", start, num_tokens, False)
+        attn = self.attention_per_pair * w.attended_pairs
+        total = attn + self.linear_per_token * num_tokens
+        return attn / total if total else 0.0
+
     def chunk_cost(self, w: ChunkWork) -> Cost:
         return Cost(
             flops_linear=self.linear_per_token * w.num_tokens

@@ -81,6 +81,10 @@ class EngineStats:
     # decode steps under a block policy: blocks they could attend (live) and did attend
     decode_blocks_live: int = 0
     decode_blocks_attended: int = 0
+    # block-sparse prefill chunks: (query position, key) pairs per layer and KV head,
+    # dense and attended
+    prefill_pairs_dense: int = 0
+    prefill_pairs_attended: int = 0
     blocks_evicted: int = 0
     # blocks given back because they lay before every layer's sliding window
     blocks_freed_outside_window: int = 0
@@ -279,7 +283,7 @@ class LLMEngine:
         if failed:
             sched.chunks = [c for c in sched.chunks if c.request_id not in failed]
         done = time.perf_counter()
-        self._account(sched, done - now)
+        self._account(sched, done - now, result.prefill_pairs)
         pure_decode = all(c.is_decode or c.draft for c in sched.chunks)
         touched = self.scheduler.update(sched, result.sampled, done, result.prompt_scores,
                                         result.accepted)
@@ -332,6 +336,7 @@ class LLMEngine:
             merged.prompt_scores.update(r.prompt_scores)
             merged.block_mass.update(r.block_mass)
             merged.accepted.update(r.accepted)
+            merged.prefill_pairs.update(r.prefill_pairs)
         return merged, failed
 
     def _emit(self, req: Request, done: float) -> RequestOutput:
@@ -444,9 +449,16 @@ class LLMEngine:
                         else list(range(len(mass))))
         self.block_policy.observe(req, positions, surprisal, attended, mass)
 
-    def _work(self, c: ScheduledChunk) -> ChunkWork:
-        """What a chunk computed: dense causal attention, or a decode over chosen blocks."""
+    def _work(self, c: ScheduledChunk, prefill_pairs: int | None = None) -> ChunkWork:
+        """What a chunk computed: dense causal attention, a decode over chosen blocks, or a
+        block-sparse prefill chunk's `prefill_pairs`."""
         bs = self.config.block_size
+        if c.prefill_sparsity is not None and prefill_pairs is not None:
+            dense = dense_work(c.request_id, c.start_pos, c.num_tokens, c.sample,
+                               len(c.score_targets or ()))
+            self.stats.prefill_pairs_dense += dense.attended_pairs
+            self.stats.prefill_pairs_attended += prefill_pairs
+            return replace(dense, attended_pairs=prefill_pairs)
         if self.block_policy is not None and c.is_decode:
             num = c.start_pos // bs + 1
             self.stats.decode_blocks_live += sum(b != EVICTED for b in c.block_table[:num])
@@ -473,10 +485,12 @@ class LLMEngine:
         n = decode_context_length(c.attend_blocks, c.start_pos, bs)
         return ChunkWork(c.request_id, 1, c.sample, n, n)
 
-    def _account(self, sched: SchedulerOutput, seconds: float) -> None:
+    def _account(self, sched: SchedulerOutput, seconds: float,
+                 prefill_pairs: dict[str, int]) -> None:
         """Charge each request the cost of what it computed this step: the positions its
-        attention actually read (fewer when a decode attends chosen blocks only)."""
-        work = [self._work(c) for c in sched.chunks]
+        attention actually read (fewer when a decode attends chosen blocks only, or a
+        block-sparse prefill chunk skipped some: `prefill_pairs`, from the runner)."""
+        work = [self._work(c, prefill_pairs.get(c.request_id)) for c in sched.chunks]
         for rid, cost in self.cost_model.step_costs(work, seconds).items():
             self.scheduler.requests[rid].cost.add(cost)
             self.stats.cost.add(cost)

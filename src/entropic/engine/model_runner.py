@@ -79,6 +79,9 @@ class ModelOutput:
     block_mass: dict[str, list[float]] = field(default_factory=dict)  # per attended block
     # per verify: the drafted tokens the target accepted, in order, before sampled[id]
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # per block-sparse prefill chunk: the (query position, key) pairs it attended, per
+    # layer and KV head on average (dense: q_len * start + q_len * (q_len + 1) / 2)
+    prefill_pairs: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -273,7 +276,8 @@ class ModelRunner:
             if c.start_pos > 0:  # attend to the cached prefix too: causal mask by position
                 pos_q = torch.arange(c.start_pos, end, device=self.device)
                 mask = torch.arange(end, device=self.device) <= pos_q[:, None]
-            chunks.append(PrefillChunk(offset, c.num_tokens, c.start_pos, slots, mask))
+            chunks.append(PrefillChunk(offset, c.num_tokens, c.start_pos, slots, mask,
+                                       c.prefill_sparsity))
             offset += c.num_tokens
         return chunks, new_slots
 
@@ -329,7 +333,22 @@ class ModelRunner:
                 sampled[c.request_id] = st
         return ModelOutput(sampled, int(input_ids.shape[0]),
                            logits if self.keep_logits else None, scores,
-                           self._block_mass(chunks[:meta.num_decode], meta), accepted)
+                           self._block_mass(chunks[:meta.num_decode], meta), accepted,
+                           self._prefill_pairs(chunks[meta.num_decode:], meta))
+
+    def _prefill_pairs(self, prefills: list[ScheduledChunk], meta: AttentionMetadata
+                       ) -> dict[str, int]:
+        """Attended pairs of each block-sparse prefill chunk, per layer and KV head: the
+        layers that ran it sparse counted theirs, the others (windowed) attended densely."""
+        cfg = self.model.config
+        out = {}
+        for c, p in zip(prefills, meta.prefills):
+            if p.sparsity is None:
+                continue
+            dense = p.q_len * p.start + p.q_len * (p.q_len + 1) // 2
+            total = p.attended_pairs + (cfg.num_layers - p.sparse_layers) * cfg.num_kv_heads * dense
+            out[c.request_id] = round(total / (cfg.num_layers * cfg.num_kv_heads))
+        return out
 
     def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor
                        ) -> dict[str, PromptScores]:

@@ -15,6 +15,7 @@ from entropic.engine.block_pool import cdiv
 from entropic.engine.kv_manager import EVICTED, KVCacheManager
 from entropic.engine.policy import FCFSPolicy, SchedulingPolicy
 from entropic.engine.request import Request, RequestStatus
+from entropic.model.attention import PrefillSparsity
 from entropic.outputs import TokenLogprob
 from entropic.sampling_params import SamplingParams
 
@@ -50,6 +51,9 @@ class ScheduledChunk:
     # surprisal: the surprisal of positions 1..start_pos, found with the cached blocks
     # (the runner computes those of the positions after start_pos).
     cached_surprisal: list[float] | None = None
+    # A prefill chunk (more than one token, no draft) that attends block-sparsely; None:
+    # densely
+    prefill_sparsity: PrefillSparsity | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -238,6 +242,9 @@ class Scheduler:
             start = req.num_computed_tokens
             attend, collect, attend_budget = self._decode_blocks(req, start, n, decode_rows)
             draft = drafts.get(req.request_id, [])
+            sparsity = None
+            if self.block_policy is not None and n > 1:
+                sparsity = self.block_policy.prefill_sparsity(req, start, n)
             out.chunks.append(ScheduledChunk(
                 request_id=req.request_id,
                 token_ids=req.token_ids[start:start + n] + draft,
@@ -252,6 +259,7 @@ class Scheduler:
                 attend_budget=attend_budget,
                 draft=draft,
                 cached_surprisal=scored_hits.get(req.request_id),
+                prefill_sparsity=sparsity,
             ))
         return out
 

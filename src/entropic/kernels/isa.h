@@ -83,6 +83,7 @@ struct PrefillArgs {
   void* out;  // [q_len][heads * d], the model's dtype
   int64_t q_len, start, heads, kv_heads, d, blocks;
   float scale;
+  const uint8_t* keep;  // the blocks this item attends (keep[b] != 0), null: all
 };
 
 // Prefill attention for one model dtype: bytes per packed K (or V) element; pack one block

@@ -424,6 +424,7 @@ void pf_item(const PrefillArgs& a, int64_t g, int64_t qb, float* ws) {
   const F16 scale = f16_set(a.scale);
   const F16 minus_inf = f16_set(-std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < nblk; ++b) {
+    if (a.keep != nullptr && !a.keep[b]) continue;  // a block-sparse item skips it
     const char* kblk = static_cast<const char*>(a.kp) + (g * a.blocks + b) * block_bytes;
     const char* vblk = static_cast<const char*>(a.vp) + (g * a.blocks + b) * block_bytes;
     if constexpr (kDot) {

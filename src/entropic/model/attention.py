@@ -10,6 +10,7 @@ All of this is described by an explicit `AttentionMetadata`, never by globals.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,6 +53,28 @@ class QueryAwareSelection:
     recent: int
 
 
+# Block-sparse prefill: query positions per tile and keys per block (the native kernel's)
+SPARSE_PREFILL_QUERIES = 16
+SPARSE_PREFILL_KEYS = 64
+
+
+@dataclass(frozen=True)
+class PrefillSparsity:
+    """Block-sparse prefill (`entropic.prefill_attention_sparse`): each tile of 16 query
+    positions attends, per KV head, a block of 64 keys only where the block's score clears
+    -`delta`, or where it is one of the first `sink` blocks or one of the `recent` blocks
+    ending with the tile's first position's own. A block's score: the largest over the
+    tile's rows (positions x the KV head's query heads) of bound - the row's best bound,
+    where a row's bound for a block is scale * sum_i max(q_i min_i, q_i max_i) over the
+    elementwise minimum and maximum of the block's keys (no key of the block scores
+    higher). So a block is skipped only where, for every row, its best key scores at least
+    `delta` below the row's best block's bound. A NaN score keeps its block."""
+
+    delta: float
+    sink: int
+    recent: int
+
+
 @dataclass
 class PrefillChunk:
     """A run of `q_len` new tokens at positions [start, start + q_len) of one sequence."""
@@ -61,6 +84,11 @@ class PrefillChunk:
     start: int  # tokens of this sequence already in the cache
     slots: torch.Tensor  # [start + q_len] cache slots of the context: cached prefix, then itself
     mask: torch.Tensor | None = None  # [q_len, start + q_len] bool causal mask; None if start == 0
+    sparsity: PrefillSparsity | None = None  # None: dense
+    # Counted by the layers that ran it sparse: (query position, key) pairs attended, summed
+    # over KV heads and layers, and how many layers those were.
+    attended_pairs: int = 0
+    sparse_layers: int = 0
 
 
 @dataclass
@@ -187,13 +215,72 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     parts = []
     if meta.num_decode:
         parts.append(_decode_rows(q[:meta.num_decode], kv_cache, meta, scale, native))
-    if native and native_prefill:
-        parts += [torch.ops.entropic.prefill_attention(
-            q[p.token_offset:p.token_offset + p.q_len], kv_cache, p.slots, p.start, scale)
-            for p in meta.prefills]
-    else:
-        parts += [_prefill_chunk(q, kv, kv_cache, p, scale) for p in meta.prefills]
+    for p in meta.prefills:
+        qc = q[p.token_offset:p.token_offset + p.q_len]
+        sp = p.sparsity
+        if native and native_prefill and sp is None:
+            parts.append(torch.ops.entropic.prefill_attention(qc, kv_cache, p.slots, p.start,
+                                                              scale))
+        elif native and native_prefill:
+            out, pairs = torch.ops.entropic.prefill_attention_sparse(
+                qc, kv_cache, p.slots, p.start, scale, sp.delta, sp.sink, sp.recent)
+            p.attended_pairs += pairs
+            p.sparse_layers += 1
+            parts.append(out)
+        else:
+            parts.append(_prefill_chunk(q, kv, kv_cache, p, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def sparse_prefill_keep(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                        start: int, scale: float, sp: PrefillSparsity
+                        ) -> tuple[torch.Tensor, int]:
+    """The blocks each tile of a sparse prefill chunk attends (`PrefillSparsity`), computed
+    with torch in float64: keep [tiles, kv_heads, blocks] bool (blocks of 64 keys; a tile
+    never attends a block past its last position), and the (query position, key) pairs
+    that makes, summed over KV heads. q: [q_len, heads, head_dim] of the chunk at
+    positions start..; kv_cache: [slots, 2, kv_heads, head_dim]; slots: [start + q_len]."""
+    T, H, D = q.shape
+    KVH = kv_cache.shape[2]
+    rep = H // KVH
+    nk = start + T
+    B, Q = SPARSE_PREFILL_KEYS, SPARSE_PREFILL_QUERIES
+    nb, nt = math.ceil(nk / B), math.ceil(T / Q)
+    keys = kv_cache.index_select(0, slots)[:, 0].double()  # [nk, KVH, D]
+    pad = nb * B - nk
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    kb = F.pad(keys, (0, 0, 0, 0, 0, pad)).view(nb, B, KVH, D)
+    valid = (torch.arange(nb * B) < nk).view(nb, B, 1, 1)
+    lo = torch.where(valid, kb, inf).amin(1)  # [nb, KVH, D]
+    hi = torch.where(valid, kb, -inf).amax(1)
+    # (amin / amax keep NaNs, as the kernel's boxes do)
+    center, radius = (hi + lo) / 2, (hi - lo) / 2
+    qd = q.double().view(T, KVH, rep, D)
+    # bound[t, g, r, b] = scale * (q . c + |q| . r)
+    bound = (torch.einsum("tgrd,bgd->tgrb", qd, center)
+             + torch.einsum("tgrd,bgd->tgrb", qd.abs(), radius)) * scale
+    pos = start + torch.arange(T)
+    allowed = torch.arange(nb)[None, :] <= (pos // B)[:, None]  # [T, nb]
+    bound = bound.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    best = bound.amax(-1, keepdim=True)
+    rel = bound - best  # NaN where the row saw a NaN bound
+    rel = torch.where(allowed[:, None, None, :] & torch.isnan(best), torch.nan, rel)
+    keep = torch.zeros(nt, KVH, nb, dtype=torch.bool)
+    pairs = 0
+    for t in range(nt):
+        i0, i1 = t * Q, min(T, (t + 1) * Q)
+        last = (start + i1 - 1) // B + 1
+        score = rel[i0:i1, :, :, :last]
+        nan = torch.isnan(score).any(0).any(1)  # [KVH, last]
+        score = score.nan_to_num(nan=float("-inf")).amax(0).amax(1)
+        first_recent = (start + i0) // B - (sp.recent - 1)
+        b = torch.arange(last)
+        k = (b < sp.sink) | (b >= first_recent) | nan | (score >= -sp.delta)
+        keep[t, :, :last] = k
+        # keys of block b up to each position of the tile
+        n = (pos[i0:i1, None] - b[None, :] * B + 1).clamp(0, B)  # [rows, last]
+        pairs += int((n[:, None, :] * k[None]).sum())
+    return keep, pairs
 
 
 def _decode_rows(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -305,6 +392,19 @@ def _prefill_chunk(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, p:
     qp = q[sl].transpose(0, 1)[None].float()
     kp = ctx[:, 0].transpose(0, 1)[None].float()
     vp = ctx[:, 1].transpose(0, 1)[None].float()
-    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
-                                        scale=scale, enable_gqa=True)
+    mask = p.mask
+    if p.sparsity is not None:  # the blocks each tile keeps, per query head
+        keep, pairs = sparse_prefill_keep(q[sl], kv_cache, p.slots, p.start, scale,
+                                          p.sparsity)
+        p.attended_pairs += pairs
+        p.sparse_layers += 1
+        nk = p.start + p.q_len
+        rep = num_heads // kv_cache.shape[2]
+        m = keep.repeat_interleave(SPARSE_PREFILL_QUERIES, 0)[:p.q_len]  # [T, KVH, nb]
+        m = m.repeat_interleave(SPARSE_PREFILL_KEYS, 2)[..., :nk]  # [T, KVH, nk]
+        m = m.repeat_interleave(rep, 1).transpose(0, 1)  # [H, T, nk]
+        causal = torch.arange(nk) <= (p.start + torch.arange(p.q_len))[:, None]
+        mask = (m & causal)[None]
+    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask,
+                                        is_causal=mask is None, scale=scale, enable_gqa=True)
     return op[0].transpose(0, 1).reshape(p.q_len, num_heads * head_dim).to(q.dtype)
