@@ -198,24 +198,27 @@ def test_the_gate_prunes_only_where_attention_is_a_real_share():
 
 def test_prefill_is_sparse_only_where_its_attention_is_a_real_share():
     """The gate priced for prefill (FLOPs): SmolLM2's first 512-token chunk spends ~8 % of
-    its FLOPs in attention, a chunk after 4k cached tokens ~60 %."""
+    its FLOPs in attention, a chunk after 1.5k cached tokens ~36 %, after 4k ~60 %."""
     cost = _smollm_cost()
     assert 0.05 < cost.prefill_attention_share(0, 512) < 0.1
+    assert 0.3 < cost.prefill_attention_share(1536, 512) < 0.4
     assert 0.5 < cost.prefill_attention_share(4096, 512) < 0.7
     req = Request("r", list(range(8)), SamplingParams(max_tokens=10), 0.0)
     pruner = EntropicBlockPruner(PruningConfig(), 16)
     pruner.bind(cost)
     assert pruner.prefill_sparsity(req, 0, 512) is None
+    assert pruner.prefill_sparsity(req, 1536, 512) is None
     # sink: 1 block of 16 -> 1 block of 64 keys; recent: 2 of 16 -> the tile's own + 1
-    assert pruner.prefill_sparsity(req, 4096, 512) == PrefillSparsity(3.0, 1, 2)
+    assert pruner.prefill_sparsity(req, 4096, 512) == PrefillSparsity(4.0, 1, 2)
     wide = EntropicBlockPruner(PruningConfig(sink_blocks=5, recent_blocks=9,
                                              prefill_delta=1.5), 16)
     wide.bind(cost)
     assert wide.prefill_sparsity(req, 4096, 512) == PrefillSparsity(1.5, 2, 4)
-    ungated = EntropicBlockPruner(PruningConfig(min_attention_share=0.0), 16)
+    ungated = EntropicBlockPruner(PruningConfig(min_prefill_attention_share=0.0), 16)
     ungated.bind(cost)
-    assert ungated.prefill_sparsity(req, 0, 512) == PrefillSparsity(3.0, 1, 2)
-    off = EntropicBlockPruner(PruningConfig(prefill_delta=None, min_attention_share=0.0), 16)
+    assert ungated.prefill_sparsity(req, 0, 512) == PrefillSparsity(4.0, 1, 2)
+    off = EntropicBlockPruner(PruningConfig(prefill_delta=None, min_prefill_attention_share=0.0),
+                              16)
     assert off.prefill_sparsity(req, 4096, 512) is None
 
 
@@ -227,14 +230,15 @@ def test_bad_prefill_delta_names_the_field(bad):
 
 @pytest.mark.model
 def test_sparse_prefill_skips_pairs_and_charges_only_what_it_attended(llm_fp32, chat_prompts):
-    """A 2k-token prompt, pruning on with its defaults: prefill chunks after the first run
+    """A 2k-token prompt, pruning on with the prefill gate open: prefill chunks run
     block-sparse; the cost model charges the attended pairs the kernel counted, the linear
     work is unchanged, and no KV block is left behind."""
     prompt = [t for p in chat_prompts for t in p][:2048]
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     eng = llm_fp32.engine
     runs = {}
-    for name, cfg in (("dense", PruningConfig(prefill_delta=None)), ("sparse", PruningConfig())):
+    for name, cfg in (("dense", PruningConfig(prefill_delta=None)),
+                      ("sparse", PruningConfig(min_prefill_attention_share=0.0))):
         e = LLMEngine(eng.model, eng.tokenizer, replace(eng.config, enable_prefix_caching=False),
                       block_policy=EntropicBlockPruner(cfg, 16))
         e.add_request("x", prompt, sp)

@@ -38,9 +38,10 @@ concentration instead. Each tile of 16 prompt positions attends, per layer and K
 the blocks of 64 keys whose key bound (as "bound" above) comes within `prefill_delta`
 logits of the tile's rows' best bound, plus the sink and the most recent blocks
 (`entropic.model.attention.PrefillSparsity`): where a few blocks dominate the scores, the
-rest are skipped; where scores are flat, everything is kept. The same no-regret gate,
-priced for prefill (arithmetic, not bytes: `CostModel.prefill_attention_share`), keeps
-short prompts dense. docs/pruning.md measures its quality and speed.
+rest are skipped; where scores are flat, everything is kept. A no-regret gate priced for
+prefill (arithmetic, not bytes: `CostModel.prefill_attention_share` against
+`min_prefill_attention_share`) keeps the chunks of the first ~2k positions dense, where
+skipping did not pay for its quality cost (docs/pruning.md). docs/pruning.md measures its quality and speed.
 
 Eviction (`evict=True`): when KV blocks run out, the lowest-I_b unprotected blocks of
 running sequences (I_b relative to the sequence's mean, so that sequences compare) are
@@ -84,8 +85,10 @@ class PruningConfig:
     # its cost by the engine's cost model (0: always)
     min_attention_share: float = 0.2
     # block-sparse prefill: skip a prompt tile's blocks of 64 keys whose key bound is more
-    # than this many logits below the tile's best (None: dense prefills)
-    prefill_delta: float | None = 3.0
+    # than this many logits below the tile's best (None: dense prefills), in chunks whose
+    # attention is at least min_prefill_attention_share of their FLOPs
+    prefill_delta: float | None = 4.0
+    min_prefill_attention_share: float = 0.4
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -122,6 +125,9 @@ class PruningConfig:
             raise ValueError("pruning.evict needs a stored I_b per block (score 'mass', "
                              "'surprisal' or 'hybrid'); score 'bound' ranks blocks by the "
                              "current query only")
+        if not 0.0 <= self.min_prefill_attention_share <= 1.0:
+            raise ValueError(f"pruning.min_prefill_attention_share must be in [0, 1], "
+                             f"got {self.min_prefill_attention_share}")
         if self.prefill_delta is not None and (
                 isinstance(self.prefill_delta, bool)
                 or not isinstance(self.prefill_delta, (int, float))
@@ -183,14 +189,14 @@ class EntropicBlockPruner:
                          ) -> PrefillSparsity | None:
         """Block-sparse prefill for a chunk of `num_tokens` prompt tokens after `start`:
         None (dense) with `prefill_delta` None or where the chunk's attention is below
-        `min_attention_share` of its FLOPs. The sink and recent spans are the decode's,
+        `min_prefill_attention_share` of its FLOPs. The sink and recent spans are the decode's,
         in the prefill kernel's blocks of 64 keys (the recent ones end with the tile's own)."""
         cfg = self.config
         if cfg.prefill_delta is None:
             return None
-        if (self._cost is not None and cfg.min_attention_share > 0
+        if (self._cost is not None and cfg.min_prefill_attention_share > 0
                 and self._cost.prefill_attention_share(start, num_tokens)
-                < cfg.min_attention_share):
+                < cfg.min_prefill_attention_share):
             return None
         keys = SPARSE_PREFILL_KEYS
         sink = -(-cfg.sink_blocks * self.block_size // keys)
