@@ -94,6 +94,7 @@ def test_static_route_headers_and_guards(server):
     metrics = httpx.get(base + "/metrics").text
     assert "entropic_decode_blocks_live " in metrics
     assert "entropic_decode_blocks_attended " in metrics
+    assert "entropic_prefill_pairs_attended " in metrics
 
 
 # ---- the browser ---------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class ServerMetrics:
                                       f"Mean temperature of the last {TOKEN_WINDOW} sampled "
                                       "tokens (0 = greedy)", registry=r)
         self.pruned_fraction = self.evicted = self.blocks_live = self.blocks_attended = None
+        self.prefill_dense = self.prefill_attended = None
         if pruned_block_fraction(engine.stats) is not None:
             self.pruned_fraction = Gauge(p + "pruned_block_fraction",
                                          "Share of live KV blocks that decode attention skipped "
@@ -110,6 +111,13 @@ class ServerMetrics:
             self.blocks_attended = Gauge(p + "decode_blocks_attended", "KV blocks decode steps "
                                          "attended (under a block policy), since start",
                                          registry=r)
+        if hasattr(engine.stats, "prefill_pairs_dense"):
+            self.prefill_dense = Gauge(p + "prefill_pairs_dense", "(query position, key) pairs "
+                                       "block-sparse prefill chunks would attend densely, per "
+                                       "layer and KV head, since start", registry=r)
+            self.prefill_attended = Gauge(p + "prefill_pairs_attended", "(query position, key) "
+                                          "pairs block-sparse prefill chunks attended, per "
+                                          "layer and KV head, since start", registry=r)
         if hasattr(engine.stats, "blocks_evicted"):
             self.evicted = Gauge(p + "kv_blocks_evicted", "KV blocks evicted for good by the "
                                  "pruner under memory pressure, since start", registry=r)
@@ -188,6 +196,9 @@ class ServerMetrics:
         if self.blocks_live is not None:
             self.blocks_live.set(stats.decode_blocks_live)
             self.blocks_attended.set(stats.decode_blocks_attended)
+        if self.prefill_dense is not None:
+            self.prefill_dense.set(stats.prefill_pairs_dense)
+            self.prefill_attended.set(stats.prefill_pairs_attended)
         if self.spec is not None:
             d = self.engine.speculator.stats.as_dict()
             for key, gauge in self.spec.values():
