@@ -41,7 +41,7 @@ logits of the tile's rows' best bound, plus the sink and the most recent blocks
 rest are skipped; where scores are flat, everything is kept. A no-regret gate priced for
 prefill (arithmetic, not bytes: `CostModel.prefill_attention_share` against
 `min_prefill_attention_share`) keeps the chunks of the first ~2k positions dense, where
-skipping did not pay for its quality cost (docs/pruning.md). docs/pruning.md measures its quality and speed.
+skipping did not pay for its quality cost (docs/pruning.md measures quality and speed).
 
 Eviction (`evict=True`): when KV blocks run out, the lowest-I_b unprotected blocks of
 running sequences (I_b relative to the sequence's mean, so that sequences compare) are

@@ -10,6 +10,7 @@ import torch
 
 from entropic.engine.block_policy import decode_context_length
 from entropic.engine.block_pool import cdiv
+from entropic.engine.cost import dense_work
 from entropic.engine.scheduler import (PromptScores, SampledToken, SchedulerOutput,
                                        ScheduledChunk)
 from entropic.kernels.backend import TORCH
@@ -345,8 +346,9 @@ class ModelRunner:
         for c, p in zip(prefills, meta.prefills):
             if p.sparsity is None:
                 continue
-            dense = p.q_len * p.start + p.q_len * (p.q_len + 1) // 2
-            total = p.attended_pairs + (cfg.num_layers - p.sparse_layers) * cfg.num_kv_heads * dense
+            dense = dense_work(c.request_id, p.start, p.q_len, False).attended_pairs
+            dense_layers = cfg.num_layers - p.sparse_layers
+            total = p.attended_pairs + dense_layers * cfg.num_kv_heads * dense
             out[c.request_id] = round(total / (cfg.num_layers * cfg.num_kv_heads))
         return out
 
