@@ -267,6 +267,25 @@ def _finish(w: GGUFWriter) -> None:
     w.close()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # gguf-py's inf * 0
+def test_block_dequantization_is_gguf_py_to_the_bit(qtype):
+    """The torch decoding of the simple block formats gives gguf-py's numbers, for every byte
+    pattern: random blocks, so scales include subnormals, infinities and NaNs."""
+    from entropic.model.gguf_loader import _dequantize_blocks
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(int(qtype)).integers(0, 256, (64, 6 * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)  # scales of the first blocks: inf, NaN, subnormal, -0
+    for i, half in enumerate((0x7C00, 0x7E00, 0x0001, 0x8000)):
+        blocks[i, 0:2] = (half & 0xFF, half >> 8)
+    ref = torch.from_numpy(dequantize(raw, qtype).reshape(-1).astype(np.float32))
+    got = _dequantize_blocks(torch.from_numpy(raw.copy()).reshape(-1), qtype)
+    assert got.shape == ref.shape == (64 * 6 * block,)
+    assert torch.isnan(ref).any() and torch.isinf(ref).any()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_synthetic_gguf_values(tmp_path, arch):
     path = tmp_path / "tiny.gguf"

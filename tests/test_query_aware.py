@@ -18,7 +18,8 @@ from entropic.engine.cost import CostModel
 from entropic.engine.engine import LLMEngine
 from entropic.engine.request import Request
 from entropic.model.attention import (DecodeGroup, KVCache, PrefillSparsity,
-                                      QueryAwareSelection, _decode_group, bound_selection)
+                                      QueryAwareSelection, _decode_group, bound_selection,
+                                      lazy_zeros)
 from entropic.sampling_params import SamplingParams
 
 LEVELS = kernels.isa_levels()
@@ -31,6 +32,20 @@ def _cache(num_blocks, bs, kvh, d, dtype, seed=0):
     kv.kv[0, :num_blocks * bs] = torch.randn(num_blocks * bs, 2, kvh, d, generator=g).to(dtype)
     kv.update_key_bounds(list(range(num_blocks)))
     return kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 1000, 2, 3, 64), (1, 7), (0, 5)])
+def test_the_kv_pool_starts_zeroed_aligned_and_writable(dtype, shape):
+    t = lazy_zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.zeros(shape, dtype=dtype))
+    if t.numel():
+        assert t.data_ptr() % 64 == 0
+        t.view(-1)[-1] = 1.5  # writable, to the last element
+        assert t.view(-1)[-1].item() == 1.5 and t.sum().item() == 1.5
+    kv = KVCache(2, 4, 16, 3, 64, dtype, key_bounds=True)
+    assert kv.kv.data_ptr() % 64 == 0 and not kv.kv.any()
 
 
 def test_bound_rows_hold_each_blocks_key_minimum_and_maximum():

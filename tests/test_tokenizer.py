@@ -140,3 +140,72 @@ def test_no_chat_template_is_a_clear_error(tok):
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert bare.encode("Hello") == tok.encode("Hello")
+
+
+# ---------------------------------------------------------------- the converted-tokenizer cache
+
+def _same_tokenizer(a: Tokenizer, b: Tokenizer) -> None:
+    assert a._tok.get_vocab() == b._tok.get_vocab()
+    assert (a.vocab_size, a.bos_token_id, a.eos_token_ids) == (b.vocab_size, b.bos_token_id, b.eos_token_ids)
+    assert a.special_tokens() == b.special_tokens() and a.chat_template == b.chat_template
+    assert a._tok.added_tokens_decoder == b._tok.added_tokens_decoder
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> x"]:
+        for special in (True, False):
+            ids = a.encode(text, add_special_tokens=special)
+            assert ids == b.encode(text, add_special_tokens=special), text
+            assert a.decode(ids) == b.decode(ids)
+            assert a.decode(ids, skip_special_tokens=False) == b.decode(ids, skip_special_tokens=False)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[2]}]
+    assert a.render_chat(msgs) == b.render_chat(msgs)
+
+
+def test_cache_stores_then_serves_the_same_tokenizer(tmp_path, monkeypatch):
+    import entropic.model.tokenizer as tk
+
+    monkeypatch.setenv("ENTROPIC_TOKENIZERS_DIR", str(tmp_path))
+    fresh = Tokenizer.from_gguf(default_model_path())  # converted, and stored
+    folders = [p for p in tmp_path.iterdir()]
+    assert len(folders) == 1 and (folders[0] / "tokenizer.json").is_file()
+
+    def no_conversion(path):
+        raise AssertionError("converted again despite the cache")
+
+    monkeypatch.setattr(tk, "_convert_gguf_tokenizer", no_conversion)
+    cached = Tokenizer.from_gguf(default_model_path())
+    _same_tokenizer(fresh, cached)
+    assert list(tmp_path.iterdir()) == folders  # nothing more written
+
+
+def test_cache_keyed_by_the_file(tmp_path, monkeypatch):
+    from test_loader import write_tiny_gguf
+
+    monkeypatch.setenv("ENTROPIC_TOKENIZERS_DIR", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf", tokenizer=True)
+    tiny = Tokenizer.from_gguf(tmp_path / "tiny.gguf")
+    big = Tokenizer.from_gguf(default_model_path())
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    assert tiny.vocab_size == 260 and big.vocab_size == 49152
+    assert Tokenizer.from_gguf(tmp_path / "tiny.gguf").encode("he") == tiny.encode("he")
+
+
+def test_cache_off_damaged_or_unwritable(tmp_path, monkeypatch, tok, caplog):
+    monkeypatch.setenv("ENTROPIC_TOKENIZERS_DIR", "none")
+    _same_tokenizer(Tokenizer.from_gguf(default_model_path()), tok)
+    assert not any(tmp_path.iterdir())
+
+    # a damaged folder: converted again, and replaced by a good one
+    monkeypatch.setenv("ENTROPIC_TOKENIZERS_DIR", str(tmp_path))
+    Tokenizer.from_gguf(default_model_path())
+    (folder,) = tmp_path.iterdir()
+    (folder / "tokenizer.json").write_text("{not json")
+    _same_tokenizer(Tokenizer.from_gguf(default_model_path()), tok)
+    assert "unreadable" in caplog.text
+    _same_tokenizer(Tokenizer.from_gguf(default_model_path()), tok)  # the replacement reads
+
+    # a cache path that cannot be a folder: the tokenizer still loads, with a warning
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("ENTROPIC_TOKENIZERS_DIR", str(blocker / "sub"))
+    caplog.clear()
+    _same_tokenizer(Tokenizer.from_gguf(default_model_path()), tok)
+    assert "cannot cache the tokenizer" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +106,23 @@ class AttentionMetadata:
     decode_restore: torch.Tensor | None = None  # inverse permutation of decode_order
 
 
+_ALIGN = 64  # bytes: a cache line, so that rows of 64 or 128 bytes never straddle two
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros(shape, dtype) whose pages the OS zeroes when first touched. On the CPU the
+    memory comes from calloc (numpy's zeros), which maps a large block without writing it:
+    a KV pool of ~1 GB is ready in microseconds instead of ~0.3 s, and pages never used cost
+    no resident memory. 64-byte aligned."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
 class KVCache:
     """K and V of every layer in one tensor: [num_layers, num_blocks * block_size, 2, kv_heads,
     head_dim]. K and V of a slot sit side by side, so one copy writes both and one gather
@@ -124,7 +142,7 @@ class KVCache:
         self.bounds_offset = num_blocks * block_size if key_bounds else None
         rows = num_blocks * block_size + (num_blocks if key_bounds else 0)
         shape = (num_layers, rows, 2, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = lazy_zeros(shape, dtype, device)
 
     def update_key_bounds(self, blocks: list[int]) -> None:
         """Recompute the key bounds of these (full) blocks in every layer."""

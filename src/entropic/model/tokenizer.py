@@ -4,10 +4,88 @@ transformers is imported lazily: it costs ~2 s and importing the loader should b
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 LONG_TEXT = 1 << 16  # characters from which encode calls the Rust tokenizer directly
+# Bumped when what a cached tokenizer folder holds, or how it is made, changes.
+_CACHE_FORMAT = 1
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """Where converted GGUF tokenizers are kept: $ENTROPIC_TOKENIZERS_DIR, else
+    ~/.cache/entropic/tokenizers; None when that variable is "none" (no cache)."""
+    root = os.environ.get("ENTROPIC_TOKENIZERS_DIR")
+    if root is not None and root.strip().lower() == "none":
+        return None
+    return Path(root) if root else Path.home() / ".cache" / "entropic" / "tokenizers"
+
+
+def _gguf_header_key(path: str, tensors: Mapping) -> str:
+    """A digest of everything before the tensor data (the metadata: vocabulary, merges,
+    special tokens, chat template), the library versions and the cache format."""
+    import tokenizers
+    import transformers
+
+    end = min((t.offset for t in tensors.values()), default=os.path.getsize(path))
+    h = hashlib.sha256(f"{_CACHE_FORMAT} {transformers.__version__} "
+                       f"{tokenizers.__version__}\n".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(end))
+    return h.hexdigest()[:24]
+
+
+def _convert_gguf_tokenizer(path: str):
+    from transformers import PreTrainedTokenizerFast
+
+    # The fast class directly, not AutoTokenizer: AutoTokenizer first builds a model config
+    # through gguf.GGUFReader, which takes ~3 s on a 49k vocabulary; the result is the same.
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        )
+    except Exception as e:  # transformers raises many types for an unsupported vocab
+        raise ValueError(f"{path}: cannot build tokenizer from GGUF ({e})") from e
+
+
+def _cached_gguf_tokenizer(path: str, tensors: Mapping):
+    """transformers' tokenizer for a GGUF file, from the cache when it holds this header's.
+    A cache that cannot be read or written costs the conversion, never the load."""
+    from transformers import PreTrainedTokenizerFast
+
+    root = tokenizer_cache_dir()
+    if root is None:
+        return _convert_gguf_tokenizer(path)
+    folder = root / _gguf_header_key(path, tensors)
+    if folder.is_dir():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+        except Exception as e:  # a folder damaged outside entropic: convert and replace it
+            log.warning("tokenizer cache %s unreadable (%s); converting %s again", folder, e, path)
+            shutil.rmtree(folder, ignore_errors=True)
+    tok = _convert_gguf_tokenizer(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root)
+        try:
+            tok.save_pretrained(tmp)
+            try:
+                os.replace(tmp, folder)  # whole or not at all
+            except OSError:
+                if not folder.is_dir():  # else another process stored it first: fine
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        log.warning("cannot cache the tokenizer of %s under %s (%s)", path, root, e)
+    return tok
 
 
 class Tokenizer:
@@ -29,23 +107,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
-        """Build from a GGUF file's embedded vocabulary, merges and chat template."""
-        from transformers import PreTrainedTokenizerFast
+        """Build from a GGUF file's embedded vocabulary, merges and chat template.
 
+        transformers' conversion of a GGUF vocabulary takes ~1 s (SmolLM2's 49k tokens); its
+        result is kept as a tokenizer folder under `tokenizer_cache_dir()`, keyed by the
+        file's header bytes and the library versions, and later loads read that (~0.1 s).
+        """
         from entropic.model.gguf_loader import read_gguf_metadata
 
         path = os.path.abspath(os.fspath(path))
-        meta, _ = read_gguf_metadata(path)
+        meta, tensors = read_gguf_metadata(path)
         if "tokenizer.ggml.model" not in meta:
             raise ValueError(f"{path}: GGUF has no tokenizer metadata (tokenizer.ggml.model)")
-        # The fast class directly, not AutoTokenizer: AutoTokenizer first builds a model config
-        # through gguf.GGUFReader, which takes ~3 s on a 49k vocabulary; the result is the same.
-        try:
-            tok = PreTrainedTokenizerFast.from_pretrained(
-                os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-            )
-        except Exception as e:  # transformers raises many types for an unsupported vocab
-            raise ValueError(f"{path}: cannot build tokenizer from GGUF ({e})") from e
+        tok = _cached_gguf_tokenizer(path, tensors)
         if not tok.chat_template and meta.get("tokenizer.chat_template"):
             tok.chat_template = meta["tokenizer.chat_template"]
         if eos_token_ids is None:
