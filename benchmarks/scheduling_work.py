@@ -8,7 +8,12 @@ work a scheduling policy throws away (preemptions by recompute) can be counted e
 deterministically, with a stand-in for the model: this script drives the real `Scheduler`
 (FCFS, and entropic scheduling with its real priority and aging) with a runner that returns a
 fixed token and a pseudo-random entropy for every sampled row, and counts the tokens each
-policy computes against the ideal (every prompt and output position once).
+policy computes against the ideal (every prompt and output position once). It also clocks
+each request in work done: the engine's cost model prices every step (FLOPs of its chunks), and
+a request's time to first token and completion are the FLOPs computed until then. That is the
+latency a compute-bound engine would show (each step's time proportional to its FLOPs), so
+policies can be compared on mean completion, e.g. the aging bound W (--max-wait) against
+the priority order it overrides.
 
 The default shape is the ablation's regime (b) (docs/ablation.md): 8 documents of 4,160,
 6,200 and 8,000 tokens in turn, 128 output tokens each (EOS ignored), 1,024 KV blocks of 16
@@ -27,7 +32,7 @@ from entropic.config import ModelConfig
 from entropic.control.clock import EntropicClock
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.engine.block_pool import BlockPool
-from entropic.engine.cost import CostModel
+from entropic.engine.cost import CostModel, dense_work
 from entropic.engine.kv_manager import KVCacheManager
 from entropic.engine.request import Request
 from entropic.engine.scheduler import SampledToken, Scheduler
@@ -41,13 +46,14 @@ DEFAULT_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 
 
 def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int,
-        num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int) -> dict:
+        num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int,
+        max_wait: int = EntropicSchedulingConfig.max_wait) -> dict:
     clock, policy = None, None
+    cost = CostModel(DEFAULT_SHAPE, 2)
     if policy_name == "entropic":
         clock = EntropicClock()
-        policy = EntropicPolicy(clock, EntropicSchedulingConfig())
-        policy.bind(CostModel(DEFAULT_SHAPE, 2), num_blocks, block_size,
-                    max_num_seqs, budget)
+        policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=max_wait))
+        policy.bind(cost, num_blocks, block_size, max_num_seqs, budget)
     sched = Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), max_num_seqs,
                       budget, max(contexts) + out_tokens + 1, (), policy)
     rng = random.Random(seed)
@@ -55,25 +61,37 @@ def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int
                     SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True),
                     float(k)) for k in range(n)]
     computed = step = added = 0
+    flops = 0.0  # the work clock: FLOPs computed so far
+    arrived, first, done = {}, {}, {}
     while added < n or sched.num_unfinished:
         while added < n and step >= added * gap:
             sched.add(reqs[added])
+            arrived[reqs[added].request_id] = flops
             added += 1
         step += 1
         out = sched.schedule()
+        flops += sum(cost.chunk_cost(dense_work(c.request_id, c.start_pos, len(c.token_ids),
+                                                c.sample)).flops for c in out.chunks)
         sampled = {}
         for c in out.chunks:
             if c.sample:
                 sampled[c.request_id] = SampledToken(token_id=1, entropy=rng.uniform(0.0, 4.0))
+                first.setdefault(c.request_id, flops)
                 if clock is not None:
                     clock.observe(c.request_id, sampled[c.request_id].entropy)
         sched.update(out, sampled, 0.0)
         computed += out.num_batched_tokens
+        for r in reqs:
+            if r.request_id not in done and r.num_output_tokens >= out_tokens:
+                done[r.request_id] = flops
     ideal = sum(len(r.token_ids) - 1 for r in reqs)
-    return {"policy": policy_name, "gap": gap, "computed_tokens": computed,
-            "ideal_tokens": ideal, "work_ratio": computed / ideal,
+    ids = [r.request_id for r in reqs]
+    return {"policy": policy_name, "max_wait": max_wait if policy else None, "gap": gap,
+            "computed_tokens": computed, "ideal_tokens": ideal, "work_ratio": computed / ideal,
             "recomputes": sched.num_recomputes, "pauses": sched.num_pauses,
-            "steps": sched.step_count}
+            "steps": sched.step_count, "makespan_tflops": flops / 1e12,
+            "mean_ttft_tflops": sum(first[i] - arrived[i] for i in ids) / n / 1e12,
+            "mean_e2e_tflops": sum(done[i] - arrived[i] for i in ids) / n / 1e12}
 
 
 def main() -> None:
@@ -88,7 +106,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-wait", type=int, nargs="+",
+                    default=[EntropicSchedulingConfig.max_wait],
+                    help="entropic scheduling's aging bound W, one run per value")
     args = ap.parse_args()
+    if min(args.max_wait) < 1:
+        ap.error("--max-wait values must be >= 1")
     for name in ("requests", "max_tokens", "kv_blocks", "block_size", "max_num_seqs", "budget"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -100,19 +123,25 @@ def main() -> None:
                      f"engine would reject such a request, the scheduler alone never admits it")
     machine = describe(args.threads)
     gaps = [3] if args.quick else [1, 3, 8]
-    rows = [run(p, args.contexts, args.requests, g, args.max_tokens, args.kv_blocks,
-                args.block_size, args.max_num_seqs, args.budget, args.seed)
-            for g in gaps for p in ("fcfs", "entropic")]
+    common = (args.contexts, args.requests)
+    rest = (args.max_tokens, args.kv_blocks, args.block_size, args.max_num_seqs, args.budget,
+            args.seed)
+    rows = []
+    for g in gaps:
+        rows.append(run("fcfs", *common, g, *rest))
+        rows += [run("entropic", *common, g, *rest, max_wait=w) for w in args.max_wait]
     print(header(machine) + " (the counts do not depend on it)")
     print(f"{args.requests} requests of {args.contexts} tokens in turn, {args.max_tokens} "
           f"output tokens, {args.kv_blocks} blocks of {args.block_size}, "
-          f"{args.max_num_seqs} slots, {args.budget} tokens/step\n")
-    print("| arrival gap (steps) | policy | computed / ideal tokens | recomputes | pauses "
-          "| steps |")
-    print("|---:|---|---:|---:|---:|---:|")
+          f"{args.max_num_seqs} slots, {args.budget} tokens/step; times in TFLOPs of work "
+          f"done since the request arrived\n")
+    print("| arrival gap (steps) | policy | W | computed / ideal tokens | recomputes | pauses "
+          "| steps | makespan | mean TTFT | mean E2E |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['gap']} | {r['policy']} | {r['work_ratio']:.3f} | {r['recomputes']} "
-              f"| {r['pauses']} | {r['steps']} |")
+        print(f"| {r['gap']} | {r['policy']} | {r['max_wait'] or '-'} | {r['work_ratio']:.3f} "
+              f"| {r['recomputes']} | {r['pauses']} | {r['steps']} | {r['makespan_tflops']:.2f} "
+              f"| {r['mean_ttft_tflops']:.2f} | {r['mean_e2e_tflops']:.2f} |")
     write_json(args.out, {"machine": machine, "args": vars(args), "rows": rows})
 
 

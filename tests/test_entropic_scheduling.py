@@ -336,3 +336,23 @@ def test_an_unbound_policy_says_so():
     policy = EntropicPolicy(EntropicClock())
     with pytest.raises(RuntimeError, match="not bound to an engine"):
         policy.order([], [], 0)
+
+
+def test_a_burst_of_long_documents_goes_oldest_first_once_aged(monkeypatch):
+    """Regime (b)'s shape without a model (benchmarks/scheduling_work.py): 8 documents that
+    wait for memory all age (W = 32) before their turn, so the order is FCFS's but for
+    decodes first; without aging the priority serves the cheaper documents first and the
+    mean completion falls at the same total work (docs/scheduling.md, regime (b))."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    from scheduling_work import run
+
+    shape = ([4160, 6200, 8000], 8, 1, 128, 1024, 16, 8, 512, 0)
+    fcfs = run("fcfs", *shape)
+    aged = run("entropic", *shape, max_wait=32)
+    free = run("entropic", *shape, max_wait=10**6)
+    for r in (fcfs, aged, free):
+        assert r["work_ratio"] == 1.0 and r["recomputes"] == 0
+        assert r["makespan_tflops"] == pytest.approx(fcfs["makespan_tflops"])
+    assert free["mean_e2e_tflops"] < 0.9 * fcfs["mean_e2e_tflops"]
+    assert 0.9 * fcfs["mean_e2e_tflops"] < aged["mean_e2e_tflops"] < fcfs["mean_e2e_tflops"]
