@@ -15,9 +15,11 @@ policy serves the same arrivals. Memory never binds here (regime (a) preempted f
 in at most one run in three): this isolates what the order does; `--blocks 400` gives it
 the ablation's cache, where memory binds.
 
-Policies: FCFS; the current rule at each `--max-waits` W; and, as the control, the rule
-before 2026-12-06 (W = 128, aged requests displaced running ones, a paused request ranked by
-its own priority), re-created here. Per seed: E2E mean and p99, TTFT mean, and each against
+Policies: FCFS; the current rule with each aging rule of `--rules` (K:W: a request is aged
+once K later arrivals were admitted while it waited, or after W steps unserved; K "inf": by
+steps alone, the rule until 2026-12-07); and, as the control, the rule before 2026-12-06
+(W = 128 by steps, aged requests displaced running ones, a paused request ranked by its
+own priority), re-created here. Per seed: E2E mean and p99, TTFT mean, and each against
 FCFS on the same arrivals; the table gives medians over seeds. Writes JSON.
 """
 from __future__ import annotations
@@ -97,21 +99,23 @@ def figures(res: sim.SimResult) -> dict:
             "makespan": max(res.finish.values()), "displacements": res.displacements}
 
 
-def run(trace: sim.Trace, rate: float, seeds: int, max_waits: list[int],
+def run(trace: sim.Trace, rate: float, seeds: int, rules: list[tuple[int, int]],
         blocks: int | None) -> dict:
-    policies = ["fcfs", "previous rule (W 128)"] + [f"W {w}" for w in max_waits]
+    labels = [sim.aging_label(k, w) for k, w in rules]
+    policies = ["fcfs", "previous rule (W 128)"] + labels
     per_seed: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in range(seeds):
         work = arrivals(trace, rate, seed)
         per_seed["fcfs"].append(figures(sim.simulate(trace, work, 1, "fifo",
                                                      num_blocks=blocks)))
         per_seed["previous rule (W 128)"].append(figures(sim.simulate(
-            trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=128),
+            trace, work, 1, "per_replica",
+            EntropicSchedulingConfig(max_wait=128, max_bypass=sim.NO_BYPASS_AGING),
             policy_class=PreviousRule, num_blocks=blocks)))
-        for w in max_waits:
-            per_seed[f"W {w}"].append(figures(sim.simulate(
-                trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=w),
-                num_blocks=blocks)))
+        for label, (k, w) in zip(labels, rules):
+            per_seed[label].append(figures(sim.simulate(
+                trace, work, 1, "per_replica",
+                EntropicSchedulingConfig(max_wait=w, max_bypass=k), num_blocks=blocks)))
     out = {}
     for p, rows in per_seed.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -130,8 +134,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default=None, help="requests per second, comma-separated "
                     "(default 2,3,4; 3 with --quick)")
     ap.add_argument("--seeds", type=int, default=None, help="default 40 (6 with --quick)")
-    ap.add_argument("--max-waits", default="16,32,48,64,96,128",
-                    help="the current rule's W values to run")
+    ap.add_argument("--rules", default="4:1024,inf:16,inf:32,inf:64,inf:128,2:1024,8:1024",
+                    help="aging rules to run, K:W (max_bypass:max_wait; K inf: by steps "
+                    "alone), comma-separated; the default's first is the engine's default")
     ap.add_argument("--blocks", type=int, default=None,
                     help="KV blocks of 16 tokens (the ablation's regime (a): 400); default: "
                     "memory never binds")
@@ -141,12 +146,14 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     rates = [float(x) for x in (a.rates or ("3" if a.quick else "2,3,4")).split(",")]
     seeds = a.seeds or (6 if a.quick else 40)
-    max_waits = [int(x) for x in a.max_waits.split(",")]
-    if (seeds < 1 or any(r <= 0 for r in rates) or any(w < 1 for w in max_waits)
-            or a.step_base < 0 or a.step_per_flop <= 0
+    try:
+        rules = sim.aging_rules(a.rules)
+    except ValueError as e:
+        ap.error(f"--rules: {e}")
+    if (seeds < 1 or any(r <= 0 for r in rates) or a.step_base < 0 or a.step_per_flop <= 0
             or (a.blocks is not None and a.blocks < 1)):
-        ap.error("--seeds, --max-waits and --blocks must be >= 1, --rates and --step-per-flop "
-                 "> 0, --step-base >= 0")
+        ap.error("--seeds and --blocks must be >= 1, --rates and --step-per-flop > 0, "
+                 "--step-base >= 0")
     trace = load_mix(a.step_base, a.step_per_flop)
     result = {"machine": describe(), "mix": str(MIX.relative_to(ROOT)), "seeds": seeds,
               "blocks": a.blocks,
@@ -159,7 +166,7 @@ def main(argv=None) -> None:
           "displacements | E2E mean x FCFS | E2E p99 x FCFS | TTFT mean x FCFS |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rate in rates:
-        res = run(trace, rate, seeds, max_waits, a.blocks)
+        res = run(trace, rate, seeds, rules, a.blocks)
         result["rates"][str(rate)] = res
         for p, v in res.items():
             m = v["median"]

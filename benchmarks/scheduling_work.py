@@ -12,8 +12,8 @@ policy computes against the ideal (every prompt and output position once). It al
 each request in work done: the engine's cost model prices every step (FLOPs of its chunks), and
 a request's time to first token and completion are the FLOPs computed until then. That is the
 latency a compute-bound engine would show (each step's time proportional to its FLOPs), so
-policies can be compared on mean completion, e.g. the aging bound W (--max-wait) against
-the priority order it overrides.
+policies can be compared on mean completion, e.g. aging rules (--rules) against the
+priority order they override.
 
 The default shape is the ablation's regime (b) (docs/ablation.md): 8 documents of 4,160,
 6,200 and 8,000 tokens in turn, 128 output tokens each (EOS ignored), 1,024 KV blocks of 16
@@ -28,6 +28,7 @@ import random
 from pathlib import Path
 
 from entropic.bench.machine import add_common_args, describe, header, write_json
+from entropic.bench.replicas import aging_label, aging_rules
 from entropic.config import ModelConfig
 from entropic.control.clock import EntropicClock
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
@@ -47,12 +48,14 @@ DEFAULT_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 
 def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int,
         num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int,
-        max_wait: int = EntropicSchedulingConfig.max_wait) -> dict:
+        max_wait: int = EntropicSchedulingConfig.max_wait,
+        max_bypass: int = EntropicSchedulingConfig.max_bypass) -> dict:
     clock, policy = None, None
     cost = CostModel(DEFAULT_SHAPE, 2)
     if policy_name == "entropic":
         clock = EntropicClock()
-        policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=max_wait))
+        policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=max_wait,
+                                                                max_bypass=max_bypass))
         policy.bind(cost, num_blocks, block_size, max_num_seqs, budget)
     sched = Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), max_num_seqs,
                       budget, max(contexts) + out_tokens + 1, (), policy)
@@ -86,7 +89,8 @@ def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int
                 done[r.request_id] = flops
     ideal = sum(len(r.token_ids) - 1 for r in reqs)
     ids = [r.request_id for r in reqs]
-    return {"policy": policy_name, "max_wait": max_wait if policy else None, "gap": gap,
+    return {"policy": policy_name, "max_wait": max_wait if policy else None,
+            "max_bypass": max_bypass if policy else None, "gap": gap,
             "computed_tokens": computed, "ideal_tokens": ideal, "work_ratio": computed / ideal,
             "recomputes": sched.num_recomputes, "pauses": sched.num_pauses,
             "steps": sched.step_count, "makespan_tflops": flops / 1e12,
@@ -106,12 +110,14 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-wait", type=int, nargs="+",
-                    default=[EntropicSchedulingConfig.max_wait],
-                    help="entropic scheduling's aging bound W, one run per value")
+    ap.add_argument("--rules", default="4:1024,inf:32,inf:1000000",
+                    help="entropic scheduling's aging rules, K:W (max_bypass:max_wait; K inf: "
+                    "by steps alone), comma-separated, one run each")
     args = ap.parse_args()
-    if min(args.max_wait) < 1:
-        ap.error("--max-wait values must be >= 1")
+    try:
+        rules = aging_rules(args.rules)
+    except ValueError as e:
+        ap.error(f"--rules: {e}")
     for name in ("requests", "max_tokens", "kv_blocks", "block_size", "max_num_seqs", "budget"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -129,17 +135,19 @@ def main() -> None:
     rows = []
     for g in gaps:
         rows.append(run("fcfs", *common, g, *rest))
-        rows += [run("entropic", *common, g, *rest, max_wait=w) for w in args.max_wait]
+        rows += [run("entropic", *common, g, *rest, max_wait=w, max_bypass=k)
+                 for k, w in rules]
     print(header(machine) + " (the counts do not depend on it)")
     print(f"{args.requests} requests of {args.contexts} tokens in turn, {args.max_tokens} "
           f"output tokens, {args.kv_blocks} blocks of {args.block_size}, "
           f"{args.max_num_seqs} slots, {args.budget} tokens/step; times in TFLOPs of work "
           f"done since the request arrived\n")
-    print("| arrival gap (steps) | policy | W | computed / ideal tokens | recomputes | pauses "
-          "| steps | makespan | mean TTFT | mean E2E |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| arrival gap (steps) | policy | aging | computed / ideal tokens | recomputes "
+          "| pauses | steps | makespan | mean TTFT | mean E2E |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['gap']} | {r['policy']} | {r['max_wait'] or '-'} | {r['work_ratio']:.3f} "
+        aging = aging_label(r["max_bypass"], r["max_wait"]) if r["max_wait"] else "-"
+        print(f"| {r['gap']} | {r['policy']} | {aging} | {r['work_ratio']:.3f} "
               f"| {r['recomputes']} | {r['pauses']} | {r['steps']} | {r['makespan_tflops']:.2f} "
               f"| {r['mean_ttft_tflops']:.2f} | {r['mean_e2e_tflops']:.2f} |")
     write_json(args.out, {"machine": machine, "args": vars(args), "rows": rows})

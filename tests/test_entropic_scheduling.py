@@ -47,6 +47,7 @@ class _FixedPriority(EntropicPolicy):
 def setup_fixed(priorities, num_blocks, max_num_seqs=1, budget=64, **cfg):
     """A scheduler on `_FixedPriority` (no aging unless max_wait is given)."""
     cfg.setdefault("max_wait", 1000)
+    cfg.setdefault("max_bypass", 10**9)
     policy = _FixedPriority(priorities, **cfg)
     policy.bind(CostModel(CFG, 2), num_blocks, 4, max_num_seqs, budget)
     sched, pool, runner = make_scheduler(num_blocks, max_num_seqs=max_num_seqs, budget=budget,
@@ -143,16 +144,16 @@ workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integer
 
 @settings(max_examples=120, deadline=None)
 @given(workload, st.integers(10, 30), st.integers(1, 4), st.integers(4, 40),
-       st.integers(1, 12), st.integers(0, 10))
+       st.integers(1, 12), st.integers(0, 10), st.sampled_from([1, 2, 4, 10**9]))
 def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait,
-                                           residency):
+                                           residency, max_bypass):
     """Random arrivals: every unfinished request is served at least every
     max_wait + Q * (P + M) steps (Q = unfinished requests, P = longest prefill in steps,
     M = most output tokens: an aged request displaces nobody, it waits for a running one to
-    finish), blocks never leak,
+    finish), whatever the bypass bound K (it only ages requests sooner), blocks never leak,
     and since the fake model is greedy, every request gets the same tokens as under FCFS."""
     sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait,
-                                               residency)
+                                               residency, max_bypass=max_bypass)
     fifo, fpool, frunner = make_scheduler(num_blocks, max_num_seqs=max_seqs, budget=budget)
     fits = [(t, p, m) for t, p, m in reqs if -(-(p + m) // 4) <= num_blocks]
     prefill_steps = -(-max((p + m for _, p, m in fits), default=1) // budget)
@@ -338,21 +339,45 @@ def test_an_unbound_policy_says_so():
         policy.order([], [], 0)
 
 
-def test_a_burst_of_long_documents_goes_oldest_first_once_aged(monkeypatch):
+def test_a_burst_of_long_documents_is_reordered_under_bypass_aging(monkeypatch):
     """Regime (b)'s shape without a model (benchmarks/scheduling_work.py): 8 documents that
-    wait for memory all age (W = 32) before their turn, so the order is FCFS's but for
-    decodes first; without aging the priority serves the cheaper documents first and the
-    mean completion falls at the same total work (docs/scheduling.md, regime (b))."""
+    wait hundreds of steps for memory. Aged by steps (W = 32, the rule until 2026-12-07) they
+    all age before their turn and go oldest first, FCFS's order but for decodes first; aged
+    by bypasses (the default: K = 4 later arrivals admitted ahead) a burst has few
+    overtakers, the priority serves the cheaper documents first and the mean completion
+    falls at the same total work (docs/scheduling.md, regime (b))."""
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     from scheduling_work import run
 
+    from entropic.bench.replicas import NO_BYPASS_AGING
+
     shape = ([4160, 6200, 8000], 8, 1, 128, 1024, 16, 8, 512, 0)
     fcfs = run("fcfs", *shape)
-    aged = run("entropic", *shape, max_wait=32)
-    free = run("entropic", *shape, max_wait=10**6)
-    for r in (fcfs, aged, free):
+    steps = run("entropic", *shape, max_wait=32, max_bypass=NO_BYPASS_AGING)
+    default = run("entropic", *shape)
+    for r in (fcfs, steps, default):
         assert r["work_ratio"] == 1.0 and r["recomputes"] == 0
         assert r["makespan_tflops"] == pytest.approx(fcfs["makespan_tflops"])
-    assert free["mean_e2e_tflops"] < 0.9 * fcfs["mean_e2e_tflops"]
-    assert 0.9 * fcfs["mean_e2e_tflops"] < aged["mean_e2e_tflops"] < fcfs["mean_e2e_tflops"]
+    assert default["mean_e2e_tflops"] < 0.9 * fcfs["mean_e2e_tflops"]
+    assert 0.9 * fcfs["mean_e2e_tflops"] < steps["mean_e2e_tflops"] < fcfs["mean_e2e_tflops"]
+
+
+def test_a_request_ages_once_k_later_arrivals_were_admitted_ahead_of_it():
+    """Bounded bypass: each admission of a later arrival counts against every earlier one
+    still waiting; at K the waiting request is aged (first in the order, never a victim);
+    its own admission starts a new count."""
+    clock = EntropicClock()
+    pol = EntropicPolicy(clock, EntropicSchedulingConfig(max_bypass=2, max_wait=10**6))
+    params = SamplingParams(max_tokens=4)
+    old, a, b, c = (Request(f"r{i}", [1] * 8, params, float(i)) for i in range(4))
+    pol.admitted(a, [old, b, c])  # a arrived after old: old overtaken once
+    assert (old.times_bypassed, b.times_bypassed, c.times_bypassed) == (1, 0, 0)
+    assert not pol.aged(old, 1)
+    pol.admitted(b, [old, c])  # c arrived after b: not overtaken by it
+    assert (old.times_bypassed, c.times_bypassed) == (2, 0) and pol.aged(old, 1)
+    assert not pol.aged(c, 1)
+    pol.admitted(old, [c])
+    assert old.times_bypassed == 0 and not pol.aged(old, 1)
+    with pytest.raises(ValueError, match="max_bypass"):
+        EntropicSchedulingConfig(max_bypass=0)

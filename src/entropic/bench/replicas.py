@@ -221,6 +221,36 @@ class GlobalQueuePolicy:
             return False
         return self.inner.displace(waiting, victim, step)
 
+    def admitted(self, req, waiting) -> None:
+        self.inner.admitted(req, waiting)
+
+
+NO_BYPASS_AGING = 10**9  # a max_bypass no run reaches: aging by steps alone
+
+
+def aging_rules(text: str) -> list[tuple[int, int]]:
+    """Parse "K:W,K:W" (max_bypass:max_wait; K "inf" for aging by steps alone) into pairs;
+    ValueError naming the bad item."""
+    rules = []
+    for item in text.split(","):
+        k, sep, w = item.strip().partition(":")
+        try:
+            rule = (NO_BYPASS_AGING if k == "inf" else int(k), int(w))
+        except ValueError:
+            rule = None
+        if not sep or rule is None or min(rule) < 1:
+            raise ValueError(f"aging rule {item.strip()!r}: expected K:W with K (or inf) and "
+                             "W whole numbers >= 1, e.g. 4:1024 or inf:32")
+        rules.append(rule)
+    return rules
+
+
+def aging_label(max_bypass: int, max_wait: int) -> str:
+    """How a table names a rule: "K 4, W 1024", or "W 32 (steps only)"."""
+    if max_bypass >= NO_BYPASS_AGING:
+        return f"W {max_wait} (steps only)"
+    return f"K {max_bypass}, W {max_wait}"
+
 
 @dataclass
 class Replica:

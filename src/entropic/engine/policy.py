@@ -7,7 +7,9 @@ out (it is recomputed later), and whether a waiting request may displace a runni
 when slots or blocks are full. With the default (`FCFSPolicy`) the
 engine is a plain first-come-first-served engine. A policy that prices requests may also
 define `bind(cost_model, num_blocks, block_size, max_num_seqs, max_num_batched_tokens)`:
-the engine calls it once with its own cost model and KV geometry.
+the engine calls it once with its own cost model and KV geometry, and `admitted(req,
+waiting)`: the scheduler calls it each time it admits `req`, with the requests still
+waiting.
 """
 from __future__ import annotations
 

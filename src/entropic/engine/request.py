@@ -63,6 +63,9 @@ class Request:
         self.last_served_step = 0  # scheduler step that last granted it tokens (or added it)
         self.outputs_at_admission = 0  # output tokens it had when last admitted
         self.admitted_step = 0  # scheduler step of its last admission
+        # requests that arrived after it and were admitted while it waited, since it last
+        # started waiting (entropic scheduling's bounded bypass)
+        self.times_bypassed = 0
         self.num_new_tokens = 0  # tokens the last scheduler update appended
 
     @property

@@ -448,6 +448,9 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.outputs_at_admission = req.num_output_tokens
         req.admitted_step = self.step_count
+        admitted = getattr(self.policy, "admitted", None)
+        if admitted is not None:
+            admitted(req, self.waiting)
         return True
 
     def _owed_blocks(self, req: Request) -> int:
