@@ -66,7 +66,8 @@ def main() -> None:
     cap = capacity(trace)
     print(f"trace {args.trace}: {len(trace.requests)} requests; {trace.step_time}; "
           f"one replica's capacity "
-          f"{cap:.3f} req/s; max_num_seqs {trace.max_num_seqs}; W = {cfg.max_wait}, "
+          f"{cap:.3f} req/s; max_num_seqs {trace.max_num_seqs}; K = {cfg.max_bypass}, "
+          f"W = {cfg.max_wait}, "
           f"R = {cfg.min_residency}\n")
     cols = ["ttft_mean", "ttft_p99", "e2e_mean", "e2e_p99", "tau_per_s", "max_wait_steps",
             "wait_bound_steps", "displacements", "utilisation"]
@@ -99,7 +100,7 @@ def main() -> None:
                                    "trace": args.trace, "capacity_req_s": cap,
                                    "step_time": dataclasses.asdict(trace.step_time),
                                    "copies": args.copies, "seed": args.seed,
-                                   "max_wait": cfg.max_wait,
+                                   "max_wait": cfg.max_wait, "max_bypass": cfg.max_bypass,
                                    "min_residency": cfg.min_residency},
                           "rows": rows, "gaps": gaps})
 

@@ -6,8 +6,8 @@
 
 The law is entropic's own (`entropic.control.scheduling.EntropicPolicy`, imported): pi(s) =
 E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s), E[dH_s] = kappa * H_t from an
-`EntropicClock` fed with every request's per-token entropy, aged requests (not served for
-max_wait steps) first. Before each `Scheduler.schedule()` this class
+`EntropicClock` fed with every request's per-token entropy, aged requests (overtaken by
+max_bypass later arrivals, or not served for max_wait steps) first. Before each `Scheduler.schedule()` this class
 1. reads the entropies the worker's `EntropyLogitsProcessor` wrote to the board since the
    last step (`entropic_vllm.board`) into the clock;
 2. ranks running and waiting requests with `EntropicPolicy.order` and writes each one's
@@ -75,6 +75,7 @@ class _View:
     last_served_step: int
     admitted_step: int
     outputs_at_admission: int
+    times_bypassed: int = 0
 
 
 def scheduling_config(additional: dict | None) -> tuple[EntropicSchedulingConfig, str | None]:
@@ -169,6 +170,7 @@ class EntropicScheduler(Scheduler):
         self._last_served: dict[str, int] = {}
         self._admitted: dict[str, tuple[int, int]] = {}  # id -> (step, outputs then)
         self._observed: dict[str, int] = {}  # id -> last output index given to the clock
+        self._bypassed: dict[str, int] = {}  # id -> later arrivals admitted while it waited
         self._log = open(log_path, "a") if log_path else None
 
     # ---- vLLM's hooks ------------------------------------------------------------------
@@ -196,9 +198,10 @@ class EntropicScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         for rid in out.num_scheduled_tokens:
             self._last_served[rid] = step
-        for req in self.running:
-            if req.request_id not in self._admitted:
-                self._admitted[req.request_id] = (step, req.num_output_tokens)
+        admitted = [req for req in self.running if req.request_id not in self._admitted]
+        for req in admitted:
+            self._admitted[req.request_id] = (step, req.num_output_tokens)
+        self._count_bypasses(admitted)
         running = {r.request_id for r in self.running}
         for rid in [r for r in self._admitted if r not in running]:
             del self._admitted[rid]  # preempted or finished: admitted anew when it returns
@@ -248,7 +251,20 @@ class EntropicScheduler(Scheduler):
         return _View(req, rid, req.num_tokens, req.num_computed_tokens, req.num_output_tokens,
                      RequestStatus.RUNNING if running else RequestStatus.WAITING,
                      self._tag.get(rid, 0), self._last_served.get(rid, self.step), admitted,
-                     outputs_then)
+                     outputs_then, self._bypassed.get(rid, 0))
+
+    def _count_bypasses(self, admitted: list[Request]) -> None:
+        """The law's bounded bypass: each request vLLM admitted this step overtook the
+        requests still waiting that arrived before it (`EntropicPolicy.admitted`)."""
+        if not admitted:
+            return
+        waiting = [self._view(r, False) for q in (self.kv_holding_waiting, self.waiting)
+                   for r in q]
+        for req in admitted:
+            self.law.admitted(self._view(req, True), waiting)
+            self._bypassed[req.request_id] = 0
+        for v in waiting:
+            self._bypassed[v.request_id] = v.times_bypassed
 
     def _rank(self, step: int) -> list[_View]:
         running = [self._view(r, True) for r in self.running]
@@ -352,7 +368,7 @@ class EntropicScheduler(Scheduler):
         gone = [rid for rid in self._tag if rid not in self.requests]
         for rid in gone:
             self._by_tag.pop(self._tag.pop(rid), None)
-            for d in (self._last_served, self._admitted, self._observed):
+            for d in (self._last_served, self._admitted, self._observed, self._bypassed):
                 d.pop(rid, None)
         if gone:
             self.clock.release(gone)
