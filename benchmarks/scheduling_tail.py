@@ -16,8 +16,8 @@ in at most one run in three): this isolates what the order does; `--blocks 400` 
 the ablation's cache, where memory binds.
 
 Policies: FCFS; the current rule with each aging rule of `--rules` (K:W: a request is aged
-once K later arrivals were admitted while it waited, or after W steps unserved; K "inf": by
-steps alone, the rule until 2026-12-07); and, as the control, the rule before 2026-12-06
+once K later arrivals were admitted while it waited, or after W steps unserved; K "off": by
+steps alone, the engine's default); and, as the control, the rule before 2026-12-06
 (W = 128 by steps, aged requests displaced running ones, a paused request ranked by its
 own priority), re-created here. Per seed: E2E mean and p99, TTFT mean, and each against
 FCFS on the same arrivals; the table gives medians over seeds. Writes JSON.
@@ -110,7 +110,7 @@ def run(trace: sim.Trace, rate: float, seeds: int, rules: list[tuple[int, int]],
                                                      num_blocks=blocks)))
         per_seed["previous rule (W 128)"].append(figures(sim.simulate(
             trace, work, 1, "per_replica",
-            EntropicSchedulingConfig(max_wait=128, max_bypass=sim.NO_BYPASS_AGING),
+            EntropicSchedulingConfig(max_wait=128),
             policy_class=PreviousRule, num_blocks=blocks)))
         for label, (k, w) in zip(labels, rules):
             per_seed[label].append(figures(sim.simulate(
@@ -134,8 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default=None, help="requests per second, comma-separated "
                     "(default 2,3,4; 3 with --quick)")
     ap.add_argument("--seeds", type=int, default=None, help="default 40 (6 with --quick)")
-    ap.add_argument("--rules", default="4:1024,inf:16,inf:32,inf:64,inf:128,2:1024,8:1024",
-                    help="aging rules to run, K:W (max_bypass:max_wait; K inf: by steps "
+    ap.add_argument("--rules", default="off:32,off:16,off:64,off:128,4:1024,2:1024,1:1024",
+                    help="aging rules to run, K:W (max_bypass:max_wait; K off: by steps "
                     "alone), comma-separated; the default's first is the engine's default")
     ap.add_argument("--blocks", type=int, default=None,
                     help="KV blocks of 16 tokens (the ablation's regime (a): 400); default: "

@@ -49,7 +49,7 @@ DEFAULT_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int,
         num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int,
         max_wait: int = EntropicSchedulingConfig.max_wait,
-        max_bypass: int = EntropicSchedulingConfig.max_bypass) -> dict:
+        max_bypass: int | None = EntropicSchedulingConfig.max_bypass) -> dict:
     clock, policy = None, None
     cost = CostModel(DEFAULT_SHAPE, 2)
     if policy_name == "entropic":
@@ -110,9 +110,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rules", default="4:1024,inf:32,inf:1000000",
-                    help="entropic scheduling's aging rules, K:W (max_bypass:max_wait; K inf: "
-                    "by steps alone), comma-separated, one run each")
+    ap.add_argument("--rules", default="off:32,4:1024,off:1000000",
+                    help="entropic scheduling's aging rules, K:W (max_bypass:max_wait; K off: "
+                    "by steps alone, the default), comma-separated, one run each")
     args = ap.parse_args()
     try:
         rules = aging_rules(args.rules)

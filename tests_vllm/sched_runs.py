@@ -67,9 +67,7 @@ def make_llm(hf_dir: str, log_path: str, kv_tokens: int, max_model_len: int, **k
                scheduler_cls=EntropicScheduler, scheduling_policy="priority",
                logits_processors=[EntropyLogitsProcessor],
                additional_config={"entropic_scheduler": {
-                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY,
-                   # aging by steps alone: the checks replay the step-aging bound W
-                   "max_bypass": 10**9, "log": log_path}},
+                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "log": log_path}},
                **kw)
 
 

@@ -225,29 +225,26 @@ class GlobalQueuePolicy:
         self.inner.admitted(req, waiting)
 
 
-NO_BYPASS_AGING = 10**9  # a max_bypass no run reaches: aging by steps alone
-
-
-def aging_rules(text: str) -> list[tuple[int, int]]:
-    """Parse "K:W,K:W" (max_bypass:max_wait; K "inf" for aging by steps alone) into pairs;
+def aging_rules(text: str) -> list[tuple[int | None, int]]:
+    """Parse "K:W,K:W" (max_bypass:max_wait; K "off" for aging by steps alone) into pairs;
     ValueError naming the bad item."""
     rules = []
     for item in text.split(","):
         k, sep, w = item.strip().partition(":")
         try:
-            rule = (NO_BYPASS_AGING if k == "inf" else int(k), int(w))
+            rule = (None if k == "off" else int(k), int(w))
         except ValueError:
             rule = None
-        if not sep or rule is None or min(rule) < 1:
-            raise ValueError(f"aging rule {item.strip()!r}: expected K:W with K (or inf) and "
-                             "W whole numbers >= 1, e.g. 4:1024 or inf:32")
+        if not sep or rule is None or min(x for x in rule if x is not None) < 1:
+            raise ValueError(f"aging rule {item.strip()!r}: expected K:W with K (or off) and "
+                             "W whole numbers >= 1, e.g. off:32 or 4:1024")
         rules.append(rule)
     return rules
 
 
-def aging_label(max_bypass: int, max_wait: int) -> str:
+def aging_label(max_bypass: int | None, max_wait: int) -> str:
     """How a table names a rule: "K 4, W 1024", or "W 32 (steps only)"."""
-    if max_bypass >= NO_BYPASS_AGING:
+    if max_bypass is None:
         return f"W {max_wait} (steps only)"
     return f"K {max_bypass}, W {max_wait}"
 

@@ -34,25 +34,27 @@ it aged and then until a victim had run R steps: in the ablation's regime (a) th
 requests paused mid-decode made the whole E2E p99 (10-25 s against at most 18 s for the
 rest; docs/ablation.md).
 
-Bounded waiting (aging): a waiting request is *aged* once `max_bypass` (K) requests that
-arrived after it have been admitted while it waited (bounded bypass: overtaken at most K
-times), or once it has not been served for `max_wait` (W) scheduler steps, a backstop.
+Bounded waiting (aging): a request not served for `max_wait` (W) scheduler steps is *aged*;
+optionally (`max_bypass` = K, off by default) also once K requests that arrived after it
+have been admitted while it waited (bounded bypass: overtaken at most K times).
 Aged requests come first, oldest wait first, and are never chosen as victims while a
 non-aged candidate exists. An aged request displaces nobody: it takes the next free slot
 (nobody overtakes it in the order while it waits). Under saturation a displacement creates
 no capacity, it moves the wait onto the victim; with aged requests displacing, regime (a)'s
-tail was made of their victims (docs/ablation.md).
-Why bypasses and not steps: the aging bound sets how far the priority may reorder, and
-holding the long requests back is what buys the mean. Counted in steps (the rule until
-2026-12-07, W = 32) the bound meant different things in different loads: in a saturated
-stream of short requests (regime (a)) 32 steps are ~2-3 s and a handful of newcomers, and
-W = 128 already cost +7-28 % E2E p99; in a burst of long documents that wait for memory
-(regime (b)) every document waits hundreds of steps, so all of them aged before their turn
-and the order was FCFS's (the priority's shortest-first order would have cut mean E2E by
-12.6 % there). Counted in bypasses, a burst has few newcomers to overtake anyone, and a
-stream has many: K = 4 keeps (a)'s tail where W = 32 had it and gives (b) the priority's
-order (benchmarks/scheduling_tail.py and scheduling_work.py, docs/scheduling.md). W = 1024
-remains as a bound in time that no load measured so far reaches.
+tail was made of their victims, and with W = 128 (the first default) of long prompts that
+waited W steps behind cheaper newcomers (docs/ablation.md). Hence W = 32: a priority order
+that can hold a request back by a few seconds at most.
+Steps or bypasses: W sets how far the priority may reorder, and holding the long requests
+back is what buys the mean. In a burst of long documents that wait for memory (regime (b))
+every document waits hundreds of steps, so with W = 32 all of them age before their turn and
+the order is FCFS's (the priority's own order cuts mean E2E by 12.6 % there, counted without
+a model). A burst has few newcomers to overtake anyone, so bounded bypass (K = 4, W = 1024)
+gives (b) the priority's order: -29 % mean E2E for the full system in a real run, against
+-19 % with W = 32. But in a saturated stream (regime (a) on a slow CPU) admissions are rare,
+K bypasses take longer than 32 steps, and the same rule cost +13 % E2E p99 against an A/A
+row of -1.5 % (docs/scheduling.md). Issue 17's rule is no regression on the tail in any
+regime with one set of defaults, so W = 32 by steps stays the default and bounded bypass is
+an option for loads of bursts.
 Bound: the head of the aged set is first in the order, so it gets the next slot that frees
 (a running request finishes at most P + M steps after its admission: P the longest prefill
 in steps, ceil(context / max_num_batched_tokens), M the most output tokens of a request) and
@@ -77,15 +79,15 @@ from entropic.engine.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class EntropicSchedulingConfig:
-    """alpha, beta, gamma weigh compute, memory and length; max_bypass (K) and max_wait (W)
-    bound the waiting: a request is aged once K later arrivals were admitted while it
-    waited, or after W steps unserved."""
+    """alpha, beta, gamma weigh compute, memory and length; max_wait (W) and max_bypass (K,
+    None: off) bound the waiting: a request is aged after W steps unserved, or once K later
+    arrivals were admitted while it waited."""
 
     alpha: float = 1.0
     beta: float = 1.0
     gamma: float = 1.0
-    max_bypass: int = 4
-    max_wait: int = 1024
+    max_wait: int = 32
+    max_bypass: int | None = None
     min_residency: int = 64  # steps a request runs after admission before it can be displaced
     length_scale: float = 256.0
     default_prior: float = 0.5
@@ -99,8 +101,9 @@ class EntropicSchedulingConfig:
             raise ValueError("scheduling: alpha, beta and gamma cannot all be 0")
         if self.max_wait < 1:
             raise ValueError(f"scheduling.max_wait must be >= 1, got {self.max_wait}")
-        if self.max_bypass < 1:
-            raise ValueError(f"scheduling.max_bypass must be >= 1, got {self.max_bypass}")
+        if self.max_bypass is not None and self.max_bypass < 1:
+            raise ValueError(f"scheduling.max_bypass must be >= 1 or None, got "
+                             f"{self.max_bypass}")
         if self.min_residency < 0:
             raise ValueError(f"scheduling.min_residency must be >= 0, got {self.min_residency}")
         if self.length_scale <= 0 or self.default_prior <= 0:
@@ -158,7 +161,8 @@ class EntropicPolicy:
         return step - req.last_served_step
 
     def aged(self, req: Request, step: int) -> bool:
-        return (req.times_bypassed >= self.config.max_bypass
+        k = self.config.max_bypass
+        return ((k is not None and req.times_bypassed >= k)
                 or self.age(req, step) >= self.config.max_wait)
 
     @staticmethod

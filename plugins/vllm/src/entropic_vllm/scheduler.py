@@ -6,8 +6,8 @@
 
 The law is entropic's own (`entropic.control.scheduling.EntropicPolicy`, imported): pi(s) =
 E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s), E[dH_s] = kappa * H_t from an
-`EntropicClock` fed with every request's per-token entropy, aged requests (overtaken by
-max_bypass later arrivals, or not served for max_wait steps) first. Before each `Scheduler.schedule()` this class
+`EntropicClock` fed with every request's per-token entropy, aged requests (not served for
+max_wait steps or, with max_bypass set, overtaken by that many later arrivals) first. Before each `Scheduler.schedule()` this class
 1. reads the entropies the worker's `EntropyLogitsProcessor` wrote to the board since the
    last step (`entropic_vllm.board`) into the clock;
 2. ranks running and waiting requests with `EntropicPolicy.order` and writes each one's
