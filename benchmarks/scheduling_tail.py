@@ -109,8 +109,7 @@ def run(trace: sim.Trace, rate: float, seeds: int, rules: list[tuple[int, int]],
         per_seed["fcfs"].append(figures(sim.simulate(trace, work, 1, "fifo",
                                                      num_blocks=blocks)))
         per_seed["previous rule (W 128)"].append(figures(sim.simulate(
-            trace, work, 1, "per_replica",
-            EntropicSchedulingConfig(max_wait=128),
+            trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=128),
             policy_class=PreviousRule, num_blocks=blocks)))
         for label, (k, w) in zip(labels, rules):
             per_seed[label].append(figures(sim.simulate(

@@ -165,10 +165,12 @@ class EntropicPolicy:
         return ((k is not None and req.times_bypassed >= k)
                 or self.age(req, step) >= self.config.max_wait)
 
-    @staticmethod
-    def admitted(req: Request, waiting: Sequence[Request]) -> None:
+    def admitted(self, req: Request, waiting: Sequence[Request]) -> None:
         """The scheduler admitted `req`: it starts a new count, and every request still
-        waiting that arrived before it has been overtaken once more."""
+        waiting that arrived before it has been overtaken once more (counted only where
+        `max_bypass` is set: nothing else reads it)."""
+        if self.config.max_bypass is None:
+            return
         req.times_bypassed = 0
         for w in waiting:
             if w.seq_no < req.seq_no:

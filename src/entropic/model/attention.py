@@ -117,7 +117,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     no resident memory. 64-byte aligned."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)

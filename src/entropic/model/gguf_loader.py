@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from entropic.config import ModelConfig, RopeScaling
 from entropic.model.family import GGUF_ARCHITECTURES, Family
-from entropic.model.quant import Int4Blocks, int4_from_gguf
+from entropic.model.quant import Int4Blocks, int4_from_gguf, q4_fields
 
 SUPPORTED_ARCHS = tuple(GGUF_ARCHITECTURES)
 _VERSIONS = (2, 3)
@@ -312,27 +312,21 @@ def _config(meta: dict, tensors: dict[str, GGUFTensorInfo], path: str) -> ModelC
 # Block formats decoded with torch here (gguf-py's numpy loop over row groups took ~2 s for
 # SmolLM2's Q4_1 weights; torch's vectorized ops take ~0.1 s). The arithmetic is gguf-py's,
 # op for op (fp16 scales widened to fp32, one multiply, then one add), so the numbers are the
-# same to the bit (tests/test_gguf_loader.py compares every tensor of the default model).
-_FAST_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-
-
-def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The fp16 at bytes start..start+1 of every block, widened: float32 [blocks, 1]."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+# same to the bit (tests/test_loader.py: random blocks, and every tensor of the default model).
+_Q4_TYPES = {GGMLQuantizationType.Q4_0: "Q4_0", GGMLQuantizationType.Q4_1: "Q4_1"}
+_FAST_TYPES = {**_Q4_TYPES, GGMLQuantizationType.Q8_0: "Q8_0"}
 
 
 def _dequantize_blocks(raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """Q4_0 / Q4_1 / Q8_0 blocks (`raw`: uint8, a whole number of blocks) -> float32 [N]."""
     blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
-    d = _half(blocks, 0)
-    if qtype == GGMLQuantizationType.Q8_0:  # d, then 32 int8: d * q
+    if qtype == GGMLQuantizationType.Q8_0:  # fp16 d, then 32 int8: d * q
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()
         return (blocks[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
-    header = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
-    qs = blocks[:, header:]  # element j in the low nibble of byte j, element 16 + j in the high
-    codes = torch.cat((qs & 0x0F, qs >> 4), dim=1)
-    if qtype == GGMLQuantizationType.Q4_1:  # d * q + m
-        return (d * codes.float() + _half(blocks, 2)).reshape(-1)
-    return (d * (codes.to(torch.int8) - 8).float()).reshape(-1)  # Q4_0: d * (q - 8)
+    d, m, codes = q4_fields(blocks, _FAST_TYPES[qtype])
+    if m is not None:  # Q4_1: d * q + m
+        return (d[:, None] * codes.float() + m[:, None]).reshape(-1)
+    return (d[:, None] * (codes.to(torch.int8) - 8).float()).reshape(-1)  # Q4_0: d * (q - 8)
 
 
 def _dequantize(buf, info: GGUFTensorInfo, path: str) -> torch.Tensor:
@@ -349,9 +343,6 @@ def _dequantize(buf, info: GGUFTensorInfo, path: str) -> torch.Tensor:
     # F32 comes back as a read-only view of the map; everything else is a fresh array.
     out = np.array(out, dtype=np.float32, copy=not out.flags.writeable)
     return torch.from_numpy(out.reshape(info.shape))
-
-
-_Q4_TYPES = {GGMLQuantizationType.Q4_0: "Q4_0", GGMLQuantizationType.Q4_1: "Q4_1"}
 
 
 def _int4_blocks(buf, info: GGUFTensorInfo) -> Int4Blocks:

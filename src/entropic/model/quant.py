@@ -65,23 +65,27 @@ class Int4Blocks:
                           torch.cat([p.offset for p in parts]), groups.pop())
 
 
-def int4_from_gguf(raw: np.ndarray, shape: tuple[int, int], q4_type: str) -> Int4Blocks:
-    """Decode GGUF Q4_0 or Q4_1 rows (`raw`: uint8 [N, bytes per row]) into Int4Blocks.
+def q4_fields(blocks: torch.Tensor, q4_type: str
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 blocks (uint8 [B, 18 or 20]) -> (d float32 [B], m float32 [B] or
+    None for Q4_0, codes uint8 [B, 32]). A Q4_1 block is fp16 d, fp16 m, then 16 bytes whose
+    low nibbles are elements 0..15 and high nibbles elements 16..31 (value d * q + m); Q4_0
+    has no m (value d * (q - 8))."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16)[:, 0].float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16)[:, 0].float() if q4_type == "Q4_1" else None
+    qs = blocks[:, 2 if m is None else 4:]
+    return d, m, torch.cat((qs & 0x0F, qs >> 4), dim=1)
 
-    A Q4_1 block is fp16 d, fp16 m, then 16 bytes whose low nibbles are elements 0..15 and
-    high nibbles elements 16..31 (value d * q + m); Q4_0 has no m (value d * (q - 8))."""
+
+def int4_from_gguf(raw: np.ndarray, shape: tuple[int, int], q4_type: str) -> Int4Blocks:
+    """Decode GGUF Q4_0 or Q4_1 rows (`raw`: uint8 [N, bytes per row]) into Int4Blocks
+    (`q4_fields`; Q4_0's offset is -8 d)."""
     n, k = shape
-    header = 4 if q4_type == "Q4_1" else 2
-    blocks = raw.reshape(n, k // 32, header + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if q4_type == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:
+    blocks = torch.from_numpy(np.array(raw)).view(n * (k // 32), -1)  # a writable copy
+    d, m, codes = q4_fields(blocks, q4_type)
+    if m is None:
         m = -8.0 * d
-    qs = blocks[..., header:]
-    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k)
-    return Int4Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(d),
-                      torch.from_numpy(m), 32)
+    return Int4Blocks(codes.reshape(n, k), d.view(n, k // 32), m.view(n, k // 32), 32)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP) -> Int4Blocks:

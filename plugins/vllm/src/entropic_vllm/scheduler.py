@@ -256,7 +256,7 @@ class EntropicScheduler(Scheduler):
     def _count_bypasses(self, admitted: list[Request]) -> None:
         """The law's bounded bypass: each request vLLM admitted this step overtook the
         requests still waiting that arrived before it (`EntropicPolicy.admitted`)."""
-        if not admitted:
+        if not admitted or self.law_config.max_bypass is None:
             return
         waiting = [self._view(r, False) for q in (self.kv_holding_waiting, self.waiting)
                    for r in q]
