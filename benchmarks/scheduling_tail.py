@@ -99,9 +99,9 @@ def figures(res: sim.SimResult) -> dict:
             "makespan": max(res.finish.values()), "displacements": res.displacements}
 
 
-def run(trace: sim.Trace, rate: float, seeds: int, rules: list[tuple[int, int]],
+def run(trace: sim.Trace, rate: float, seeds: int, rules: list[sim.AgingRule],
         blocks: int | None) -> dict:
-    labels = [sim.aging_label(k, w) for k, w in rules]
+    labels = [rule.label for rule in rules]
     policies = ["fcfs", "previous rule (W 128)"] + labels
     per_seed: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in range(seeds):
@@ -111,10 +111,9 @@ def run(trace: sim.Trace, rate: float, seeds: int, rules: list[tuple[int, int]],
         per_seed["previous rule (W 128)"].append(figures(sim.simulate(
             trace, work, 1, "per_replica", EntropicSchedulingConfig(max_wait=128),
             policy_class=PreviousRule, num_blocks=blocks)))
-        for label, (k, w) in zip(labels, rules):
+        for label, rule in zip(labels, rules):
             per_seed[label].append(figures(sim.simulate(
-                trace, work, 1, "per_replica",
-                EntropicSchedulingConfig(max_wait=w, max_bypass=k), num_blocks=blocks)))
+                trace, work, 1, "per_replica", rule.config(), num_blocks=blocks)))
     out = {}
     for p, rows in per_seed.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -134,8 +133,10 @@ def main(argv=None) -> None:
                     "(default 2,3,4; 3 with --quick)")
     ap.add_argument("--seeds", type=int, default=None, help="default 40 (6 with --quick)")
     ap.add_argument("--rules", default="off:32,off:16,off:64,off:128,4:1024,2:1024,1:1024",
-                    help="aging rules to run, K:W (max_bypass:max_wait; K off: by steps "
-                    "alone), comma-separated; the default's first is the engine's default")
+                    help="aging rules to run, K:W or K:W:T (max_bypass:max_wait"
+                    "[:max_wait_total]; K off: no bypass bound; with T, W counts only the "
+                    "steps a request's context fit in the pool), comma-separated; the "
+                    "default's first is the engine's default")
     ap.add_argument("--blocks", type=int, default=None,
                     help="KV blocks of 16 tokens (the ablation's regime (a): 400); default: "
                     "memory never binds")

@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 
 from entropic.bench.machine import add_common_args, describe, header, write_json
-from entropic.bench.replicas import aging_label, aging_rules
+from entropic.bench.replicas import AgingRule, aging_rules
 from entropic.config import ModelConfig
 from entropic.control.clock import EntropicClock
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
@@ -48,14 +48,12 @@ DEFAULT_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 
 def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int,
         num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int,
-        max_wait: int = EntropicSchedulingConfig.max_wait,
-        max_bypass: int | None = EntropicSchedulingConfig.max_bypass) -> dict:
+        rule: AgingRule | None = None) -> dict:
     clock, policy = None, None
     cost = CostModel(DEFAULT_SHAPE, 2)
     if policy_name == "entropic":
         clock = EntropicClock()
-        policy = EntropicPolicy(clock, EntropicSchedulingConfig(max_wait=max_wait,
-                                                                max_bypass=max_bypass))
+        policy = EntropicPolicy(clock, rule.config() if rule else EntropicSchedulingConfig())
         policy.bind(cost, num_blocks, block_size, max_num_seqs, budget)
     sched = Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), max_num_seqs,
                       budget, max(contexts) + out_tokens + 1, (), policy)
@@ -89,8 +87,9 @@ def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int
                 done[r.request_id] = flops
     ideal = sum(len(r.token_ids) - 1 for r in reqs)
     ids = [r.request_id for r in reqs]
-    return {"policy": policy_name, "max_wait": max_wait if policy else None,
-            "max_bypass": max_bypass if policy else None, "gap": gap,
+    aging = (rule or AgingRule(policy.config.max_bypass, policy.config.max_wait,
+                               policy.config.max_wait_total)) if policy else None
+    return {"policy": policy_name, "aging": list(aging) if aging else None, "gap": gap,
             "computed_tokens": computed, "ideal_tokens": ideal, "work_ratio": computed / ideal,
             "recomputes": sched.num_recomputes, "pauses": sched.num_pauses,
             "steps": sched.step_count, "makespan_tflops": flops / 1e12,
@@ -111,8 +110,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rules", default="off:32,4:1024,off:1000000",
-                    help="entropic scheduling's aging rules, K:W (max_bypass:max_wait; K off: "
-                    "by steps alone, the default), comma-separated, one run each")
+                    help="entropic scheduling's aging rules, K:W or K:W:T (max_bypass:max_wait"
+                    "[:max_wait_total]; K off: no bypass bound; with T, W counts only the "
+                    "steps a request's context fit in the pool), comma-separated, one run each")
     args = ap.parse_args()
     try:
         rules = aging_rules(args.rules)
@@ -135,8 +135,7 @@ def main() -> None:
     rows = []
     for g in gaps:
         rows.append(run("fcfs", *common, g, *rest))
-        rows += [run("entropic", *common, g, *rest, max_wait=w, max_bypass=k)
-                 for k, w in rules]
+        rows += [run("entropic", *common, g, *rest, rule=rule) for rule in rules]
     print(header(machine) + " (the counts do not depend on it)")
     print(f"{args.requests} requests of {args.contexts} tokens in turn, {args.max_tokens} "
           f"output tokens, {args.kv_blocks} blocks of {args.block_size}, "
@@ -146,7 +145,7 @@ def main() -> None:
           "| pauses | steps | makespan | mean TTFT | mean E2E |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        aging = aging_label(r["max_bypass"], r["max_wait"]) if r["max_wait"] else "-"
+        aging = AgingRule(*r["aging"]).label if r["aging"] else "-"
         print(f"| {r['gap']} | {r['policy']} | {aging} | {r['work_ratio']:.3f} "
               f"| {r['recomputes']} | {r['pauses']} | {r['steps']} | {r['makespan_tflops']:.2f} "
               f"| {r['mean_ttft_tflops']:.2f} | {r['mean_e2e_tflops']:.2f} |")

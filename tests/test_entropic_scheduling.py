@@ -143,16 +143,21 @@ workload = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 24), st.integer
 
 @settings(max_examples=120, deadline=None)
 @given(workload, st.integers(10, 30), st.integers(1, 4), st.integers(4, 40),
-       st.integers(1, 12), st.integers(0, 10), st.sampled_from([1, 2, 4, None]))
+       st.integers(1, 12), st.integers(0, 10), st.sampled_from([1, 2, 4, None]),
+       st.sampled_from([None, 0, 5, 40]))
 def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, max_wait,
-                                           residency, max_bypass):
+                                           residency, max_bypass, total_extra):
     """Random arrivals: every unfinished request is served at least every
-    max_wait + Q * (P + M) steps (Q = unfinished requests, P = longest prefill in steps,
-    M = most output tokens: an aged request displaces nobody, it waits for a running one to
-    finish), whatever the bypass bound K (it only ages requests sooner), blocks never leak,
-    and since the fake model is greedy, every request gets the same tokens as under FCFS."""
+    T + Q * (P + M) steps (T = max_wait_total, or max_wait where that is None; Q = unfinished
+    requests, P = longest prefill in steps, M = most output tokens: an aged request
+    displaces nobody, it waits for a running one to finish), whatever the bypass bound K
+    and whether max_wait counts the steps spent waiting for memory (both only age requests
+    sooner than T), blocks never leak, and since the fake model is greedy, every request
+    gets the same tokens as under FCFS."""
+    total = None if total_extra is None else max_wait + total_extra
     sched, pool, runner, clock, policy = setup(num_blocks, max_seqs, budget, max_wait,
-                                               residency, max_bypass=max_bypass)
+                                               residency, max_bypass=max_bypass,
+                                               max_wait_total=total)
     fifo, fpool, frunner = make_scheduler(num_blocks, max_num_seqs=max_seqs, budget=budget)
     fits = [(t, p, m) for t, p, m in reqs if -(-(p + m) // 4) <= num_blocks]
     prefill_steps = -(-max((p + m for _, p, m in fits), default=1) // budget)
@@ -174,7 +179,7 @@ def test_bounded_wait_no_leaks_same_tokens(reqs, num_blocks, max_seqs, budget, m
             if s == 0:
                 _, touched = step(sch, run, clock)
                 for r in sch.requests.values():
-                    bound = max_wait + q_max * (prefill_steps + max_out)
+                    bound = (total or max_wait) + q_max * (prefill_steps + max_out)
                     assert sch.step_count - r.last_served_step <= bound
             else:
                 out = sch.schedule()
@@ -338,25 +343,30 @@ def test_an_unbound_policy_says_so():
         policy.order([], [], 0)
 
 
-def test_a_burst_of_long_documents_is_reordered_under_bypass_aging(monkeypatch):
+def test_a_burst_of_long_documents_is_reordered_by_the_default_aging(monkeypatch):
     """Regime (b)'s shape without a model (benchmarks/scheduling_work.py): 8 documents that
-    wait hundreds of steps for memory. Aged by steps (W = 32, the default) they all age
-    before their turn and go oldest first, FCFS's order but for decodes first; aged by
-    bypasses (K = 4 later arrivals admitted ahead, W = 1024) a burst has few overtakers, the
-    priority serves the cheaper documents first and the mean completion falls at the same
-    total work (docs/scheduling.md, regime (b))."""
+    wait hundreds of steps for memory. Aged by every step unserved (W = 32 steps, the rule
+    before max_wait_total) they all age before their turn and go oldest first, FCFS's order
+    but for decodes first; with the default (max_wait counts only the steps a document
+    could have been admitted, max_wait_total = 1024) and with bounded bypass (K = 4,
+    W = 1024), the priority serves the cheaper documents first and the mean completion
+    falls at the same total work (docs/scheduling.md, regime (b))."""
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     from scheduling_work import run
+    from entropic.bench.replicas import AgingRule
 
     shape = ([4160, 6200, 8000], 8, 1, 128, 1024, 16, 8, 512, 0)
     fcfs = run("fcfs", *shape)
-    steps = run("entropic", *shape)
-    bypass = run("entropic", *shape, max_wait=1024, max_bypass=4)
-    for r in (fcfs, steps, bypass):
+    default = run("entropic", *shape)
+    steps = run("entropic", *shape, rule=AgingRule(None, 32))
+    bypass = run("entropic", *shape, rule=AgingRule(4, 1024))
+    for r in (fcfs, default, steps, bypass):
         assert r["work_ratio"] == 1.0 and r["recomputes"] == 0
         assert r["makespan_tflops"] == pytest.approx(fcfs["makespan_tflops"])
-    assert bypass["mean_e2e_tflops"] < 0.9 * fcfs["mean_e2e_tflops"]
+    assert default["aging"] == [None, 32, 1024]
+    for r in (default, bypass):
+        assert r["mean_e2e_tflops"] < 0.9 * fcfs["mean_e2e_tflops"]
     assert 0.9 * fcfs["mean_e2e_tflops"] < steps["mean_e2e_tflops"] < fcfs["mean_e2e_tflops"]
 
 
@@ -365,7 +375,8 @@ def test_a_request_ages_once_k_later_arrivals_were_admitted_ahead_of_it():
     still waiting; at K the waiting request is aged (first in the order, never a victim);
     its own admission starts a new count."""
     clock = EntropicClock()
-    pol = EntropicPolicy(clock, EntropicSchedulingConfig(max_bypass=2, max_wait=10**6))
+    pol = EntropicPolicy(clock, EntropicSchedulingConfig(max_bypass=2, max_wait=10**6,
+                                                          max_wait_total=None))
     params = SamplingParams(max_tokens=4)
     old, a, b, c = (Request(f"r{i}", [1] * 8, params, float(i)) for i in range(4))
     pol.admitted(a, [old, b, c])  # a arrived after old: old overtaken once
@@ -378,3 +389,49 @@ def test_a_request_ages_once_k_later_arrivals_were_admitted_ahead_of_it():
     assert old.times_bypassed == 0 and not pol.aged(old, 1)
     with pytest.raises(ValueError, match="max_bypass"):
         EntropicSchedulingConfig(max_bypass=0)
+
+
+def test_steps_spent_waiting_for_memory_do_not_age_a_request():
+    """With max_wait_total set, max_wait counts only the steps a waiting request's whole
+    context fit in the pool beside what the running ones owe: a document that waits for
+    memory keeps its place in the priority order (regime (b)), and is aged after
+    max_wait_total steps in all at the latest; a request that fits and waits for a slot ages
+    after max_wait steps as before."""
+    # 12 blocks of 4 tokens: "run" holds 8-11 (32 tokens and its output), "big" needs 4
+    # more: it waits for memory; "small" (1 block) fits but waits for the one slot
+    sched, pool, runner, clock, policy = setup_fixed(
+        {"run": 3.0, "big": 1.0, "small": 2.0}, 12, max_num_seqs=1, budget=64,
+        max_wait=3, max_wait_total=9)
+    assert policy.counts_memory_waits
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sched.add(Request("run", [1] * 32, params, 0.0))
+    step(sched, runner, clock)
+    big, small = Request("big", [1] * 16, params, 1.0), Request("small", [1] * 4, params, 2.0)
+    sched.add(big)
+    sched.add(small)
+    start = sched.step_count
+    for _ in range(3):
+        step(sched, runner, clock)
+    assert big.memory_wait_steps == 3 and small.memory_wait_steps == 0
+    assert policy.aged(small, sched.step_count) and not policy.aged(big, sched.step_count)
+    while sched.step_count - start < 9:
+        assert not policy.aged(big, sched.step_count)
+        step(sched, runner, clock)
+    assert policy.aged(big, sched.step_count)  # max_wait_total: aged by all its steps
+    with pytest.raises(ValueError, match="max_wait_total"):
+        EntropicSchedulingConfig(max_wait=8, max_wait_total=4)
+
+
+def test_without_max_wait_total_memory_waits_are_neither_counted_nor_read():
+    sched, pool, runner, clock, policy = setup_fixed({"run": 3.0, "big": 1.0}, 12,
+                                                     max_num_seqs=1, budget=64, max_wait=3,
+                                                     max_wait_total=None)
+    assert not policy.counts_memory_waits
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sched.add(Request("run", [1] * 32, params, 0.0))
+    step(sched, runner, clock)
+    big = Request("big", [1] * 16, params, 1.0)
+    sched.add(big)
+    for _ in range(3):
+        step(sched, runner, clock)
+    assert big.memory_wait_steps == 0 and policy.aged(big, sched.step_count)

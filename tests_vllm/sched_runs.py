@@ -67,7 +67,9 @@ def make_llm(hf_dir: str, log_path: str, kv_tokens: int, max_model_len: int, **k
                scheduler_cls=EntropicScheduler, scheduling_policy="priority",
                logits_processors=[EntropyLogitsProcessor],
                additional_config={"entropic_scheduler": {
-                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "log": log_path}},
+                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "log": log_path,
+                   # every unserved step ages (the bound W + Q (P + M) the tests check)
+                   "max_wait_total": None}},
                **kw)
 
 

@@ -136,11 +136,12 @@ def startup_checks() -> None:
         except ValueError as e:
             check(words in str(e), f"{over}: {e}")
     law, path = scheduling_config({"entropic_scheduler": {"max_wait": 4, "max_bypass": 2,
-                                                          "log": "/x"}})
-    check(law.max_wait == 4 and law.max_bypass == 2 and path == "/x",
-          "options from additional_config")
+                                                          "max_wait_total": 64, "log": "/x"}})
+    check(law.max_wait == 4 and law.max_bypass == 2 and law.max_wait_total == 64
+          and path == "/x", "options from additional_config")
     for bad, words in [({"max_wait": 0}, "max_wait must be >= 1"),
                        ({"max_bypass": 0}, "max_bypass must be >= 1"),
+                       ({"max_wait": 8, "max_wait_total": 4}, "max_wait_total must be >="),
                        ({"wait": 3}, "known fields")]:
         try:
             scheduling_config({"entropic_scheduler": bad})

@@ -41,7 +41,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -224,29 +224,53 @@ class GlobalQueuePolicy:
     def admitted(self, req, waiting) -> None:
         self.inner.admitted(req, waiting)
 
+    @property
+    def counts_memory_waits(self) -> bool:
+        return self.inner.counts_memory_waits
 
-def aging_rules(text: str) -> list[tuple[int | None, int]]:
-    """Parse "K:W,K:W" (max_bypass:max_wait; K "off" for aging by steps alone) into pairs;
+
+class AgingRule(NamedTuple):
+    """Entropic scheduling's aging bounds as the benchmarks' --rules name them."""
+
+    max_bypass: int | None
+    max_wait: int
+    max_wait_total: int | None = None
+
+    def config(self, **kw) -> EntropicSchedulingConfig:
+        return EntropicSchedulingConfig(max_bypass=self.max_bypass, max_wait=self.max_wait,
+                                        max_wait_total=self.max_wait_total, **kw)
+
+    @property
+    def label(self) -> str:
+        """How a table names it: "W 32 (steps only)", "K 4, W 1024", or "K 4, W 32 (turn),
+        T 1024" (W counting only the steps a request's context fit in the pool)."""
+        k = "" if self.max_bypass is None else f"K {self.max_bypass}, "
+        if self.max_wait_total is not None and self.max_wait_total > self.max_wait:
+            return f"{k}W {self.max_wait} (turn), T {self.max_wait_total}"
+        if self.max_bypass is None:
+            return f"W {self.max_wait} (steps only)"
+        return f"{k}W {self.max_wait}"
+
+
+def aging_rules(text: str) -> list[AgingRule]:
+    """Parse "K:W[:T],..." (max_bypass:max_wait[:max_wait_total]; K "off": no bypass bound;
+    with T, W counts only the steps a request could have been admitted) into rules;
     ValueError naming the bad item."""
     rules = []
     for item in text.split(","):
-        k, sep, w = item.strip().partition(":")
+        parts = item.strip().split(":")
         try:
-            rule = (None if k == "off" else int(k), int(w))
+            if len(parts) not in (2, 3):
+                raise ValueError
+            rule = AgingRule(None if parts[0] == "off" else int(parts[0]), int(parts[1]),
+                             int(parts[2]) if len(parts) == 3 else None)
+            rule.config()  # the config's own checks
         except ValueError:
-            rule = None
-        if not sep or rule is None or min(x for x in rule if x is not None) < 1:
-            raise ValueError(f"aging rule {item.strip()!r}: expected K:W with K (or off) and "
-                             "W whole numbers >= 1, e.g. off:32 or 4:1024")
+            raise ValueError(f"aging rule {item.strip()!r}: expected K:W or K:W:T with K (or "
+                             "off), W and T >= W whole numbers >= 1, e.g. off:32, 4:1024 or "
+                             "4:32:1024") from None
         rules.append(rule)
     return rules
-
-
-def aging_label(max_bypass: int | None, max_wait: int) -> str:
-    """How a table names a rule: "K 4, W 1024", or "W 32 (steps only)"."""
-    if max_bypass is None:
-        return f"W {max_wait} (steps only)"
-    return f"K {max_bypass}, W {max_wait}"
 
 
 @dataclass
@@ -378,7 +402,7 @@ def simulate(trace: Trace, requests: Sequence[TraceRequest], num_replicas: int, 
     q = max(rep.max_queue for rep in replicas)
     p = -(-max(r.prompt_len for r in requests) // trace.max_num_batched_tokens)
     m = max(r.output_len for r in requests)
-    res.wait_bound_steps = config.max_wait + q * (p + m)
+    res.wait_bound_steps = (config.max_wait_total or config.max_wait) + q * (p + m)
     return res
 
 

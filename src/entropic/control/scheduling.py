@@ -88,6 +88,7 @@ class EntropicSchedulingConfig:
     gamma: float = 1.0
     max_wait: int = 32
     max_bypass: int | None = None
+    max_wait_total: int | None = 1024
     min_residency: int = 64  # steps a request runs after admission before it can be displaced
     length_scale: float = 256.0
     default_prior: float = 0.5
@@ -101,6 +102,9 @@ class EntropicSchedulingConfig:
             raise ValueError("scheduling: alpha, beta and gamma cannot all be 0")
         if self.max_wait < 1:
             raise ValueError(f"scheduling.max_wait must be >= 1, got {self.max_wait}")
+        if self.max_wait_total is not None and self.max_wait_total < self.max_wait:
+            raise ValueError(f"scheduling.max_wait_total must be >= max_wait "
+                             f"({self.max_wait}) or None, got {self.max_wait_total}")
         if self.max_bypass is not None and self.max_bypass < 1:
             raise ValueError(f"scheduling.max_bypass must be >= 1 or None, got "
                              f"{self.max_bypass}")
@@ -157,13 +161,30 @@ class EntropicPolicy:
                  + c.gamma * req.num_output_tokens / c.length_scale)
         return self.expected_gain(req) / (denom + self.EPS)
 
+    @property
+    def counts_memory_waits(self) -> bool:
+        """Whether max_wait leaves out the steps a request waited for memory (the scheduler
+        then counts them in `Request.memory_wait_steps`)."""
+        c = self.config
+        return c.max_wait_total is not None and c.max_wait_total > c.max_wait
+
+    @property
+    def wait_limit(self) -> int:
+        """Steps unserved, all counted, after which a request is aged at the latest."""
+        c = self.config
+        return c.max_wait if c.max_wait_total is None else c.max_wait_total
+
     def age(self, req: Request, step: int) -> int:
         return step - req.last_served_step
 
     def aged(self, req: Request, step: int) -> bool:
-        k = self.config.max_bypass
-        return ((k is not None and req.times_bypassed >= k)
-                or self.age(req, step) >= self.config.max_wait)
+        c = self.config
+        if c.max_bypass is not None and req.times_bypassed >= c.max_bypass:
+            return True
+        age = self.age(req, step)
+        if self.counts_memory_waits:
+            return age - req.memory_wait_steps >= c.max_wait or age >= c.max_wait_total
+        return age >= c.max_wait
 
     def admitted(self, req: Request, waiting: Sequence[Request]) -> None:
         """The scheduler admitted `req`: it starts a new count, and every request still

@@ -66,6 +66,10 @@ class Request:
         # requests that arrived after it and were admitted while it waited, since it last
         # started waiting (entropic scheduling's bounded bypass)
         self.times_bypassed = 0
+        # steps, since it last started waiting, in which it was not served and its whole
+        # context did not fit in the pool beside what the running requests still owe
+        # (counted only for a policy that reads it: entropic scheduling's max_wait_total)
+        self.memory_wait_steps = 0
         self.num_new_tokens = 0  # tokens the last scheduler update appended
 
     @property

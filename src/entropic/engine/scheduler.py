@@ -169,6 +169,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         req.last_served_step = self.step_count  # waiting time counts from here
+        req.memory_wait_steps = 0
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -233,8 +234,11 @@ class Scheduler:
                 if hit and len(surprisal) > 1:
                     scored_hits[req.request_id] = surprisal[1:]
             req.last_served_step = step
+            req.memory_wait_steps = 0
             granted.append((req, n))
             budget -= n
+        if getattr(self.policy, "counts_memory_waits", False):
+            self._count_memory_waits(step)
         drafts = self._drafts(granted, budget) if self.draft_policy is not None else {}
         decode_rows = sum(1 + len(drafts.get(req.request_id, ())) for req, n in granted
                           if n == 1)
@@ -452,6 +456,18 @@ class Scheduler:
         if admitted is not None:
             admitted(req, self.waiting)
         return True
+
+    def _count_memory_waits(self, step: int) -> None:
+        """Each request left waiting this step whose whole context does not fit in the
+        pool beside what the running ones still owe (the admission rule of `_admit`) waited
+        for memory, not for its turn in the order: counted in `memory_wait_steps`."""
+        if not self.running or not self.waiting:
+            return
+        owed = sum(map(self._owed_blocks, self.running))
+        for req in self.waiting:
+            if (req.last_served_step != step
+                    and self.kv.shortfall(req.request_id, req.num_tokens) + owed > 0):
+                req.memory_wait_steps += 1
 
     def _owed_blocks(self, req: Request) -> int:
         """Blocks a running request still needs for its whole context and one token more."""

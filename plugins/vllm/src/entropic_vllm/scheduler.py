@@ -6,8 +6,10 @@
 
 The law is entropic's own (`entropic.control.scheduling.EntropicPolicy`, imported): pi(s) =
 E[dH_s] / (alpha*C_s + beta*M_s + gamma*L_s), E[dH_s] = kappa * H_t from an
-`EntropicClock` fed with every request's per-token entropy, aged requests (not served for
-max_wait steps or, with max_bypass set, overtaken by that many later arrivals) first. Before each `Scheduler.schedule()` this class
+`EntropicClock` fed with every request's per-token entropy, aged requests first (not served
+for max_wait steps, with max_wait_total set not counting the steps it waited for memory, or
+for max_wait_total steps in all; with max_bypass set, also once overtaken by that many later
+arrivals). Before each `Scheduler.schedule()` this class
 1. reads the entropies the worker's `EntropyLogitsProcessor` wrote to the board since the
    last step (`entropic_vllm.board`) into the clock;
 2. ranks running and waiting requests with `EntropicPolicy.order` and writes each one's
@@ -76,6 +78,7 @@ class _View:
     admitted_step: int
     outputs_at_admission: int
     times_bypassed: int = 0
+    memory_wait_steps: int = 0
 
 
 def scheduling_config(additional: dict | None) -> tuple[EntropicSchedulingConfig, str | None]:
@@ -171,6 +174,7 @@ class EntropicScheduler(Scheduler):
         self._admitted: dict[str, tuple[int, int]] = {}  # id -> (step, outputs then)
         self._observed: dict[str, int] = {}  # id -> last output index given to the clock
         self._bypassed: dict[str, int] = {}  # id -> later arrivals admitted while it waited
+        self._memory_waits: dict[str, int] = {}  # id -> steps it waited for memory
         self._log = open(log_path, "a") if log_path else None
 
     # ---- vLLM's hooks ------------------------------------------------------------------
@@ -198,10 +202,13 @@ class EntropicScheduler(Scheduler):
         out = super().schedule(*args, **kwargs)
         for rid in out.num_scheduled_tokens:
             self._last_served[rid] = step
+            self._memory_waits.pop(rid, None)
         admitted = [req for req in self.running if req.request_id not in self._admitted]
         for req in admitted:
             self._admitted[req.request_id] = (step, req.num_output_tokens)
         self._count_bypasses(admitted)
+        if self.law.counts_memory_waits:
+            self._count_memory_waits(out.num_scheduled_tokens)
         running = {r.request_id for r in self.running}
         for rid in [r for r in self._admitted if r not in running]:
             del self._admitted[rid]  # preempted or finished: admitted anew when it returns
@@ -251,7 +258,7 @@ class EntropicScheduler(Scheduler):
         return _View(req, rid, req.num_tokens, req.num_computed_tokens, req.num_output_tokens,
                      RequestStatus.RUNNING if running else RequestStatus.WAITING,
                      self._tag.get(rid, 0), self._last_served.get(rid, self.step), admitted,
-                     outputs_then, self._bypassed.get(rid, 0))
+                     outputs_then, self._bypassed.get(rid, 0), self._memory_waits.get(rid, 0))
 
     def _count_bypasses(self, admitted: list[Request]) -> None:
         """The law's bounded bypass: each request vLLM admitted this step overtook the
@@ -265,6 +272,19 @@ class EntropicScheduler(Scheduler):
             self._bypassed[req.request_id] = 0
         for v in waiting:
             self._bypassed[v.request_id] = v.times_bypassed
+
+    def _count_memory_waits(self, served: dict[str, int]) -> None:
+        """The law's `max_wait_total`: a request left waiting this step whose blocks do not
+        fit beside one more block for each running request (the test `_displace` applies)
+        waited for memory, not for its turn (`Request.memory_wait_steps` in entropic)."""
+        if not self.running:
+            return
+        free = self._num_free_blocks() - len(self.running)
+        for q in (self.kv_holding_waiting, self.waiting):
+            for r in q:
+                if r.request_id not in served and self._blocks_owed(r) > free:
+                    rid = r.request_id
+                    self._memory_waits[rid] = self._memory_waits.get(rid, 0) + 1
 
     def _rank(self, step: int) -> list[_View]:
         running = [self._view(r, True) for r in self.running]
@@ -368,7 +388,8 @@ class EntropicScheduler(Scheduler):
         gone = [rid for rid in self._tag if rid not in self.requests]
         for rid in gone:
             self._by_tag.pop(self._tag.pop(rid), None)
-            for d in (self._last_served, self._admitted, self._observed, self._bypassed):
+            for d in (self._last_served, self._admitted, self._observed, self._bypassed,
+                      self._memory_waits):
                 d.pop(rid, None)
         if gone:
             self.clock.release(gone)
