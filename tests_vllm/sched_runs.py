@@ -67,9 +67,7 @@ def make_llm(hf_dir: str, log_path: str, kv_tokens: int, max_model_len: int, **k
                scheduler_cls=EntropicScheduler, scheduling_policy="priority",
                logits_processors=[EntropyLogitsProcessor],
                additional_config={"entropic_scheduler": {
-                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "log": log_path,
-                   # every unserved step ages (the bound W + Q (P + M) the tests check)
-                   "max_wait_total": None}},
+                   "max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "log": log_path}},
                **kw)
 
 
@@ -113,7 +111,10 @@ def main() -> None:
     else:
         llm = make_llm(hf_dir, log_path, 4096, 1024)
     engine = llm.llm_engine
+    from entropic.control.scheduling import EntropicSchedulingConfig
+
     result: dict = {"max_wait": MAX_WAIT, "min_residency": MIN_RESIDENCY, "slots": SLOTS,
+                    "max_wait_total": EntropicSchedulingConfig.max_wait_total,
                     "max_num_batched_tokens": engine.vllm_config.scheduler_config
                     .max_num_batched_tokens,
                     "num_blocks": engine.vllm_config.cache_config.num_gpu_blocks,

@@ -75,6 +75,7 @@ def test_admission_follows_pi_not_arrival(run_scenario):
 
 def test_aging_bound_on_replayed_trace(run_scenario):
     """No request waits longer than entropic's bound W + Q * (P + M) steps (W = max_wait,
+    every unserved step counted here: the pool holds every request, so none waits for memory;
     P = the longest prefill in chunks, M = the most output tokens, Q = unfinished requests),
     counted from the steps at which each request got tokens; and aging is what admitted the
     long prompt: ranked first when aged, though its pi was the lowest of the waiting ones,
@@ -83,6 +84,11 @@ def test_aging_bound_on_replayed_trace(run_scenario):
     res = run_scenario("scheduler")
     steps = trace_steps(res)
     w = res["max_wait"]
+    # the defaults leave out the steps a request waited for memory (max_wait_total set);
+    # this trace's pool holds every request, so none waited for memory and W counts every
+    # unserved step, as the bound below assumes
+    assert res["max_wait_total"] and res["max_wait_total"] > w
+    assert all(row[6] == 0 for e in steps for row in e["order"])
     longest = max(len(t["prompt_token_ids"]) + len(t["token_ids"]) for t in res["trace"])
     p = math.ceil(longest / res["max_num_batched_tokens"])
     m = max(len(t["token_ids"]) for t in res["trace"])

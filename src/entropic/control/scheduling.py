@@ -34,9 +34,11 @@ it aged and then until a victim had run R steps: in the ablation's regime (a) th
 requests paused mid-decode made the whole E2E p99 (10-25 s against at most 18 s for the
 rest; docs/ablation.md).
 
-Bounded waiting (aging): a request not served for `max_wait` (W) scheduler steps is *aged*;
-optionally (`max_bypass` = K, off by default) also once K requests that arrived after it
-have been admitted while it waited (bounded bypass: overtaken at most K times).
+Bounded waiting (aging): a request is *aged* once it was not served for `max_wait` (W)
+scheduler steps in which its whole context fit in the pool beside what the running requests
+still owe (the admission rule), or for `max_wait_total` (T) steps in all; optionally
+(`max_bypass` = K, off by default) also once K requests that arrived after it have been
+admitted while it waited (bounded bypass: overtaken at most K times).
 Aged requests come first, oldest wait first, and are never chosen as victims while a
 non-aged candidate exists. An aged request displaces nobody: it takes the next free slot
 (nobody overtakes it in the order while it waits). Under saturation a displacement creates
@@ -44,17 +46,20 @@ no capacity, it moves the wait onto the victim; with aged requests displacing, r
 tail was made of their victims, and with W = 128 (the first default) of long prompts that
 waited W steps behind cheaper newcomers (docs/ablation.md). Hence W = 32: a priority order
 that can hold a request back by a few seconds at most.
-Steps or bypasses: W sets how far the priority may reorder, and holding the long requests
-back is what buys the mean. In a burst of long documents that wait for memory (regime (b))
-every document waits hundreds of steps, so with W = 32 all of them age before their turn and
-the order is FCFS's (the priority's own order cuts mean E2E by 12.6 % there, counted without
-a model). A burst has few newcomers to overtake anyone, so bounded bypass (K = 4, W = 1024)
-gives (b) the priority's order: -29 % mean E2E for the full system in a real run, against
--19 % with W = 32. But in a saturated stream (regime (a) on a slow CPU) admissions are rare,
-K bypasses take longer than 32 steps, and the same rule cost +13 % E2E p99 against an A/A
-row of -1.5 % (docs/scheduling.md). Issue 17's rule is no regression on the tail in any
-regime with one set of defaults, so W = 32 by steps stays the default and bounded bypass is
-an option for loads of bursts.
+Why W leaves out the waits for memory: W sets how far the priority may reorder, and holding
+the long requests back is what buys the mean. In a burst of long documents that wait for
+memory (regime (b)) every document waits hundreds of steps, so with every step counted all
+of them aged before their turn and the order was FCFS's (the priority's own order cuts mean
+E2E by 12.6 % there, counted without a model; a real run: -3 % against -10.8 %). A step in
+which a request's context does not fit the pool is one in which no order could have served
+it: that wait is memory's, not the priority's, and FCFS makes it too. Counting only the
+other steps leaves regime (a), where memory rarely binds, with the same W = 32 by steps
+(the same schedule wherever memory never binds), and gives (b) the priority's order. T =
+1024 bounds the wait in steps whatever memory does (a request too large to fit beside a
+stream of small ones would otherwise never age). Bounded bypass (K = 4, W = T = 1024), the
+rule tried before this one, also gave (b) the priority's order, but cost +13 % E2E p99 in
+(a) on a slow CPU, where admissions are rare and K bypasses took longer than 32 steps
+(docs/scheduling.md); it stays an option.
 Bound: the head of the aged set is first in the order, so it gets the next slot that frees
 (a running request finishes at most P + M steps after its admission: P the longest prefill
 in steps, ceil(context / max_num_batched_tokens), M the most output tokens of a request) and
@@ -63,8 +68,9 @@ its blocks as soon as its whole context fits beside what the running ones still 
 brings about within the same time. Each aged request ahead of a request costs it at most
 P + M steps, and a request is ahead of it at most once (one admitted and later sent back to
 wait restarts its wait, so it ranks behind): no request waits more than
-max_wait + Q * (P + M) steps, Q the number of unfinished requests. Bypass aging only makes
-requests aged sooner, so the bound holds with it.
+T + Q * (P + M) steps (T = max_wait_total, or max_wait where that is None: then every
+unserved step counts), Q the number of unfinished requests. Bypass aging and W only make
+requests aged sooner than T, so the bound holds with them.
 tests/test_entropic_scheduling.py checks this bound on random workloads.
 """
 from __future__ import annotations
@@ -79,9 +85,11 @@ from entropic.engine.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class EntropicSchedulingConfig:
-    """alpha, beta, gamma weigh compute, memory and length; max_wait (W) and max_bypass (K,
-    None: off) bound the waiting: a request is aged after W steps unserved, or once K later
-    arrivals were admitted while it waited."""
+    """alpha, beta, gamma weigh compute, memory and length; max_wait (W), max_wait_total (T)
+    and max_bypass (K, None: off) bound the waiting: a request is aged after W steps unserved
+    in which its whole context fit in the pool (steps it waited for memory do not count),
+    after T steps unserved in all, or once K later arrivals were admitted while it waited.
+    max_wait_total None: every unserved step counts toward W (the rule before 2026-12-08)."""
 
     alpha: float = 1.0
     beta: float = 1.0

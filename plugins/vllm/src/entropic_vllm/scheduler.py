@@ -399,7 +399,7 @@ class EntropicScheduler(Scheduler):
         cached = out.scheduled_cached_reqs
         rows = [[v.request_id, self.law.priority(v), self.law.age(v, step),
                  v.status is RequestStatus.RUNNING, v.num_output_tokens,
-                 len(self.clock.history(v.request_id))] for v in order]
+                 len(self.clock.history(v.request_id)), v.memory_wait_steps] for v in order]
         self._log.write(json.dumps({
             "step": step, "order": rows, "displaced": displaced, "kv_dropped": dropped,
             "free_blocks": self._num_free_blocks(),  # after vLLM's allocations of this step
