@@ -176,12 +176,6 @@ class EntropicPolicy:
         c = self.config
         return c.max_wait_total is not None and c.max_wait_total > c.max_wait
 
-    @property
-    def wait_limit(self) -> int:
-        """Steps unserved, all counted, after which a request is aged at the latest."""
-        c = self.config
-        return c.max_wait if c.max_wait_total is None else c.max_wait_total
-
     def age(self, req: Request, step: int) -> int:
         return step - req.last_served_step
 
