@@ -25,7 +25,6 @@ FCFS on the same arrivals; the table gives medians over seeds. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 from pathlib import Path

@@ -6,7 +6,7 @@ from entropic.config import ModelConfig
 from entropic.control.clock import EntropicClock
 from entropic.control.scheduling import EntropicPolicy, EntropicSchedulingConfig
 from entropic.engine.cost import CostModel
-from entropic.engine.request import Request, RequestStatus
+from entropic.engine.request import Request
 from entropic.sampling_params import SamplingParams
 from entropic.control.pruning import EntropicBlockPruner, PruningConfig
 from entropic.engine.block_pool import BlockPool
