@@ -49,11 +49,12 @@ DEFAULT_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
 def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int,
         num_blocks: int, block_size: int, max_num_seqs: int, budget: int, seed: int,
         rule: AgingRule | None = None) -> dict:
-    clock, policy = None, None
+    clock, policy, config = None, None, None
     cost = CostModel(DEFAULT_SHAPE, 2)
     if policy_name == "entropic":
         clock = EntropicClock()
-        policy = EntropicPolicy(clock, rule.config() if rule else EntropicSchedulingConfig())
+        config = rule.config() if rule else EntropicSchedulingConfig()
+        policy = EntropicPolicy(clock, config)
         policy.bind(cost, num_blocks, block_size, max_num_seqs, budget)
     sched = Scheduler(KVCacheManager(BlockPool(num_blocks), block_size), max_num_seqs,
                       budget, max(contexts) + out_tokens + 1, (), policy)
@@ -87,9 +88,8 @@ def run(policy_name: str, contexts: list[int], n: int, gap: int, out_tokens: int
                 done[r.request_id] = flops
     ideal = sum(len(r.token_ids) - 1 for r in reqs)
     ids = [r.request_id for r in reqs]
-    aging = (rule or AgingRule(policy.config.max_bypass, policy.config.max_wait,
-                               policy.config.max_wait_total)) if policy else None
-    return {"policy": policy_name, "aging": list(aging) if aging else None, "gap": gap,
+    aging = [config.max_bypass, config.max_wait, config.max_wait_total] if config else None
+    return {"policy": policy_name, "aging": aging, "gap": gap,
             "computed_tokens": computed, "ideal_tokens": ideal, "work_ratio": computed / ideal,
             "recomputes": sched.num_recomputes, "pauses": sched.num_pauses,
             "steps": sched.step_count, "makespan_tflops": flops / 1e12,

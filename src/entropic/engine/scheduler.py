@@ -419,8 +419,7 @@ class Scheduler:
         running requests finish; memory pressure itself still preempts (`_grow`)."""
         rid = req.request_id
         need = req.num_computed_tokens + len(hit) * self.kv.block_size + n
-        if self.running and (self.kv.shortfall(rid, req.num_tokens, hit)
-                             + sum(map(self._owed_blocks, self.running)) > 0):
+        if self.running and not self._context_fits(req, self._owed_by_running(), hit):
             return False
         while len(self.running) >= self.max_num_seqs or not self.kv.can_fit(rid, need, hit):
             fits = self.kv.can_fit(rid, need, hit)
@@ -463,11 +462,18 @@ class Scheduler:
         for memory, not for its turn in the order: counted in `memory_wait_steps`."""
         if not self.running or not self.waiting:
             return
-        owed = sum(map(self._owed_blocks, self.running))
+        owed = self._owed_by_running()
         for req in self.waiting:
-            if (req.last_served_step != step
-                    and self.kv.shortfall(req.request_id, req.num_tokens) + owed > 0):
+            if req.last_served_step != step and not self._context_fits(req, owed):
                 req.memory_wait_steps += 1
+
+    def _context_fits(self, req: Request, owed: int, hit: Sequence[int] = ()) -> bool:
+        """Whether the request's whole context fits in the pool beside `owed` blocks (what
+        the running requests still need), starting on the cached blocks `hit`."""
+        return self.kv.shortfall(req.request_id, req.num_tokens, hit) + owed <= 0
+
+    def _owed_by_running(self) -> int:
+        return sum(map(self._owed_blocks, self.running))
 
     def _owed_blocks(self, req: Request) -> int:
         """Blocks a running request still needs for its whole context and one token more."""
